@@ -1,0 +1,55 @@
+"""Attention metadata: built once per step by the runner, read by every attention layer."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The flat batch's boundaries. T = new tokens this step, S = scheduled sequences.
+
+    Query token j of sequence s sits at absolute position seq_lens[s] - q_len[s] + j and sees
+    keys 0..=that position (further limited by a layer's sliding window).
+    """
+
+    cu_seqlens_q: torch.Tensor  # [S+1] int32, exclusive prefix sum of query lengths
+    seq_lens: torch.Tensor  # [S] int32, context length including this step's tokens
+    block_table: torch.Tensor  # [S, max_blocks] int32, padded with the null block 0
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; < 0 = skip
+    max_q_len: int
+    max_seq_len: int
+    # Host copies so backends can loop/choose paths without reading device tensors.
+    cu_seqlens_q_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_q_len == 1
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    """Scope the step's metadata; never nested, always reset (even when the forward raises)."""
+    global _current
+    assert _current is None, "forward_context is not re-entrant"
+    _current = meta
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def current_metadata() -> AttentionMetadata:
+    assert _current is not None, "attention called outside forward_context"
+    return _current

@@ -1,0 +1,87 @@
+"""Torch-native paged varlen attention: the CPU/MPS path and the reference for every kernel.
+
+One call serves any mix of prefill chunks, decodes and verify runs. Work is per sequence over
+that sequence's own context: nothing is padded to the batch's longest sequence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flatserve.attention.base import LayerAttnParams
+from flatserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping[T] (< 0 skipped)."""
+    kf = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
+    vf = v_cache.view(-1, *v_cache.shape[2:])
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
+    vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int,
+               p: LayerAttnParams, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, Hq, D] at positions q_start.., k/v [L, Hkv, D] at positions k_start.. -> [n, Hq, D]."""
+    n, hq, _ = q.shape
+    L, hkv, _ = k.shape
+    q_pos = torch.arange(q_start, q_start + n, device=q.device)[:, None]  # [n, 1]
+    k_pos = torch.arange(k_start, k_start + L, device=q.device)[None, :]  # [1, L]
+    need_mask = n > 1 or k_start + L - 1 > q_start  # a decode over its own past needs none
+    mask = k_pos <= q_pos
+    if p.sliding_window is not None:
+        mask = mask & (k_pos > q_pos - p.sliding_window)
+        need_mask = need_mask or k_start <= q_start + n - 1 - p.sliding_window
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|L, D]
+    if p.softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask if need_mask else None, scale=p.scale,
+            enable_gqa=hq != hkv)
+        return out.transpose(0, 1)
+    # Slow exact path for softcap / sinks (nanoGPT-style manual attention).
+    kh = kh.repeat_interleave(hq // hkv, dim=0)
+    vh = vh.repeat_interleave(hq // hkv, dim=0)
+    s = (qh.float() @ kh.float().transpose(1, 2)) * p.scale  # [Hq, n, L]
+    if p.softcap is not None:
+        s = torch.tanh(s / p.softcap) * p.softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # a per-head logit that takes softmax mass but has no value
+        s = torch.cat([s, sinks.float().view(hq, 1, 1).expand(hq, n, 1)], dim=-1)
+    w = torch.softmax(s, dim=-1)[..., :L]
+    return (w @ vh.float()).to(q.dtype).transpose(0, 1)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                p: LayerAttnParams, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_ref(q, k_cache, v_cache, meta, p, sinks)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, p: LayerAttnParams,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] over the paged caches -> [T, Hq, D]; a loop over sequences, not padding."""
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    cu, lens = meta.cu_seqlens_q_host, meta.seq_lens_host
+    for s in range(meta.num_seqs):
+        qs, qe, L = cu[s], cu[s + 1], lens[s]
+        if qe == qs:
+            continue
+        q_start = L - (qe - qs)
+        # Keys older than the window are never read (they stay in the pool: see the note).
+        k_start = 0 if p.sliding_window is None else max(0, q_start - p.sliding_window + 1)
+        b0, b1 = k_start // bs, -(-L // bs)
+        blocks = meta.block_table[s, b0:b1]
+        kk = k_cache[blocks].flatten(0, 1)[k_start - b0 * bs:L - b0 * bs]  # [L', Hkv, D]
+        vv = v_cache[blocks].flatten(0, 1)[k_start - b0 * bs:L - b0 * bs]
+        out[qs:qe] = attend_one(q[qs:qe], kk, vv, q_start, k_start, p, sinks)
+    return out

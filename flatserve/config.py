@@ -1,0 +1,73 @@
+"""One frozen EngineConfig built once from CLI/kwargs and passed down.
+
+Numbers found at start-up (block count, eos ids, chosen backend and dtype) are *not* written
+back here: they live in `flatserve.engine.engine.EngineState` / `flatserve.memory.CacheBudget`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf file; None -> the embedded default
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | mps
+    attention_backend: str | None = None  # None: follows the device (torch on cpu/mps)
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    # Memory budget (see flatserve/memory.py).
+    kv_cache_memory: int | None = None  # bytes; overrides the computed budget
+    num_gpu_blocks_override: int | None = None  # exact block count (tests)
+    os_reserve_gb: float | None = None  # unified memory: RAM kept for the OS and other apps
+    gpu_memory_utilization: float = 0.9  # discrete GPU: fraction of device memory to claim
+    enforce_eager: bool = False
+    served_model_name: str | None = None
+    chat_template: str | None = None  # path to a Jinja template overriding the model's
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB' -> 4294967296, '512MB' -> 512000000, '1000' -> 1000 bytes."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 4GiB, 512MB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[unit])

@@ -1,0 +1,116 @@
+"""Every hardware difference in one place: device choice, dtype choice, sync, memory probes."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from flatserve.memory import MemoryProbe
+
+
+def select_device(name: str) -> torch.device:
+    """`auto` picks cuda, then mps, then cpu."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    if name not in ("cpu", "mps") and not name.startswith("cuda"):
+        raise ValueError(f"unknown device {name!r}; choose auto, cpu, cuda or mps")
+    return torch.device(name)
+
+
+def default_backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: bf16 matmuls beat fp32. Without them bf16 is emulated and slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def pin_memory(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def probe_memory(device: torch.device) -> MemoryProbe:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        props = torch.cuda.get_device_properties(device)
+        return MemoryProbe(total, free, bool(getattr(props, "is_integrated", False)),
+                           f"{device} ({props.name})")
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return MemoryProbe(vm.total, vm.available, True, device.type)
+
+
+def process_rss() -> int:
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+class PeakTracker:
+    """Peak memory over a region: the CUDA allocator's peak, or sampled process RSS growth."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakTracker:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._base = process_rss()
+            self._max = self._base
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._max = max(self._max, process_rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self._max, process_rss()) - self._base

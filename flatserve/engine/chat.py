@@ -1,0 +1,58 @@
+"""Chat templates: the model's own, a --chat-template file, or its family's documented one."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Gemma's documented turn format (the default base model ships no template).
+GEMMA = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set msgs = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set msgs = messages -%}{%- endif -%}"
+    "{%- for m in msgs -%}"
+    "{%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') + m['content'] | trim"
+    " + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+# ChatML, as Qwen documents it.
+CHATML = (
+    "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+# Llama 3's documented header format.
+LLAMA3 = (
+    "{{ bos_token }}{%- for m in messages -%}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}"
+)
+_FAMILY = {"Gemma3ForCausalLM": (GEMMA, "<end_of_turn>"), "Qwen3ForCausalLM": (CHATML, "<|im_end|>"),
+           "LlamaForCausalLM": (LLAMA3, "<|eot_id|>")}
+
+
+def chat_template(tokenizer: Any, architecture: str, override: str | None) -> tuple[str, int | None]:
+    """(template, end-of-turn token id to stop on, if the tokenizer knows it)."""
+    family, eot = _FAMILY.get(architecture, (CHATML, "<|im_end|>"))
+    if override:
+        template = Path(override).read_text()
+    else:
+        template = getattr(tokenizer, "chat_template", None) or family
+    eot_id = tokenizer.convert_tokens_to_ids(eot)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return template, (eot_id if isinstance(eot_id, int) and eot_id != unk else None)
+
+
+def render(tokenizer: Any, template: str, messages: list[dict[str, Any]],
+           add_generation_prompt: bool = True) -> list[int]:
+    if not messages:
+        raise ValueError("messages is empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] needs a 'role' and a string 'content'")
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    # The template writes the BOS itself; do not add a second one.
+    return tokenizer(text, add_special_tokens=False).input_ids

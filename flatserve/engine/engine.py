@@ -1,0 +1,193 @@
+"""The step loop: schedule -> one flat forward -> sample -> update -> outputs."""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from flatserve.config import EngineConfig
+from flatserve.engine.detokenizer import IncrementalDetokenizer
+from flatserve.engine.kv_manager import KVCacheManager
+from flatserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from flatserve.engine.request import Request, RequestStatus
+from flatserve.engine.sampler import Logprobs, Sampler
+from flatserve.engine.sampling_params import SamplingParams
+from flatserve.engine.scheduler import Scheduler, SchedulerConfig
+from flatserve.engine.startup import EngineState, start_up
+
+log = logging.getLogger("flatserve")
+
+
+@dataclass(slots=True)
+class _Child:
+    req: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(slots=True)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.req.status.finished for c in self.children)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.state: EngineState
+        self.state, self.tokenizer, self.runner = start_up(cfg)
+        s = self.state
+        self.kv = KVCacheManager(s.budget.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, s.max_model_len),
+            self.kv, s.eos_token_ids)
+        self.sampler = Sampler(s.model.vocab_size, s.eos_token_ids, cfg.seed)
+        self.parents: dict[str, _Parent] = {}
+        self.children: dict[str, tuple[_Parent, _Child]] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---------------------------------------------------------------- requests
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        V = self.state.model.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {V})")
+        return None, ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Validate and queue; raises ValueError naming the bad value and its limit."""
+        params.validate()
+        text, ids = self.tokenize(prompt)
+        max_len = self.state.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_len} "
+                             f"(at least 1 token must remain for the output)")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.parents:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        room = max_len - len(ids)
+        max_tokens = min(params.max_tokens or room, room)
+        parent = _Parent(rid, text, ids)
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:  # distinct, reproducible samples
+                child_params = _with_seed(params, params.seed + i)
+            req = Request(f"{rid}#{i}" if params.n > 1 else rid, ids, child_params, max_tokens)
+            child = _Child(req, IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop_strings, params.skip_special_tokens,
+                params.include_stop_str_in_output), [] if params.logprobs is not None else None)
+            parent.children.append(child)
+        for child in parent.children:
+            self.scheduler.add_request(child.req)
+            self.children[child.req.request_id] = (parent, child)
+        self.parents[rid] = parent
+        self.num_prompt_tokens += len(ids) * params.n
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return False
+        for c in parent.children:
+            self.scheduler.abort(c.req.request_id)
+            self.children.pop(c.req.request_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        reqs, tokens, logprobs = self.runner.execute(out, self.sampler)
+        self.scheduler.update(out, {r.request_id: [t] for r, t in zip(reqs, tokens)})
+        touched: dict[str, _Parent] = {}
+        for req, tok, lp in zip(reqs, tokens, logprobs):
+            entry = self.children.get(req.request_id)
+            if entry is None:
+                continue
+            parent, child = entry
+            self._absorb(child, tok, lp)
+            touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            results.append(self._output(parent))
+            if parent.finished:
+                self.parents.pop(parent.request_id, None)
+                for c in parent.children:
+                    self.children.pop(c.req.request_id, None)
+        return results
+
+    def _absorb(self, child: _Child, tok: int, lp: Logprobs | None) -> None:
+        self.num_generation_tokens += 1
+        if lp is not None and child.logprobs is not None:
+            child.cumulative_logprob += lp[0][1]
+            child.logprobs.append(self._logprob_dict(lp))
+        stop = child.detok.add(tok)
+        if stop is not None:
+            req = child.req
+            if req.status.finished:  # eos/length fired on the same token: the stop string wins
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            else:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+
+    def _logprob_dict(self, lp: Logprobs) -> dict[int, Logprob]:
+        (tok, val), top = lp[0], lp[1:]
+        d = {t: Logprob(v, rank + 1, self.tokenizer.decode([t])) for rank, (t, v) in enumerate(top)}
+        if tok not in d:
+            d[tok] = Logprob(val, None, self.tokenizer.decode([tok]))
+        return d
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for i, c in enumerate(parent.children):
+            r = c.req
+            outs.append(CompletionOutput(
+                i, c.detok.visible_text(r.status.finished), list(r.output_token_ids),
+                c.cumulative_logprob if c.logprobs is not None else None, c.logprobs,
+                r.finish_reason, r.stop_reason))
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
+                             parent.finished, max(c.req.num_cached_tokens for c in parent.children))
+
+    # ---------------------------------------------------------------- introspection
+    @property
+    def num_used_blocks(self) -> int:
+        return self.kv.num_used_blocks
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.kv.num_used_blocks,
+                "kv_blocks_total": self.kv.pool.num_usable,
+                "preemptions": self.scheduler.num_preemptions,
+                "prompt_tokens": self.num_prompt_tokens,
+                "generation_tokens": self.num_generation_tokens,
+                "prefix_cache_hits": self.kv.hit_tokens, "prefix_cache_queries": self.kv.query_tokens}
+
+
+def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
+    import copy
+
+    q = copy.copy(p)
+    q.seed = seed
+    return q
+

@@ -1,0 +1,184 @@
+"""Token-counting scheduler: FCFS, chunked prefill mixed with decodes, preemption by recompute.
+
+Each step every request asks for `num_tokens - num_computed_tokens` tokens (a decode asks for
+1, a prompt for the rest of its prompt); the step grants them under `max_num_batched_tokens`
+and `max_num_seqs`, running requests first. Nothing here knows "prefill" or "decode".
+Torch-free: unit-tested without a model.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flatserve.engine.kv_manager import KVCacheManager
+from flatserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    start_pos: int  # == num_computed_tokens before this step
+    num_tokens: int  # new tokens this step: request.token_ids[start_pos:start_pos+num_tokens]
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the last known token, so its logits give the next one."""
+        return self.start_pos + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # ---------------------------------------------------------------- intake
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        if req.num_tokens >= self.cfg.max_model_len:
+            raise ValueError(f"prompt has {req.num_tokens} tokens; max_model_len is "
+                             f"{self.cfg.max_model_len} (room must remain for 1 output token)")
+        self._arrivals += 1
+        req.arrival = self._arrivals
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------- a step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.cfg.max_num_batched_tokens)
+        self._schedule_waiting(out, budget)
+        assert out.num_batched_tokens <= self.cfg.max_num_batched_tokens
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            blocks = self.kv.allocate_slots(req, n)
+            while blocks is None:
+                victim = self.running.pop()  # newest running request: FCFS keeps the oldest
+                self._preempt(victim, out)
+                if victim is req:
+                    return budget
+                blocks = self.kv.allocate_slots(req, n)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, blocks))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            hit, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            blocks = self.kv.allocate_slots(req, n, hit)
+            if blocks is None:
+                break  # FCFS: nobody jumps the queue head
+            self.kv.record_prefix_query(req.num_tokens, num_hit)
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            req.num_cached_tokens = max(req.num_cached_tokens, num_hit)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_hit, n, blocks))
+            budget -= n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        # Recompute, not swap: the blocks go back to the pool (cached blocks may survive).
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_ids.append(req.request_id)
+
+    # ---------------------------------------------------------------- after the forward
+    def update(self, out: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token-level stops."""
+        finished: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += s.num_tokens
+            for tok in new_tokens.get(req.request_id, ()):
+                req.token_ids.append(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+        return finished
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if tok in self.eos_token_ids and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and tok in p.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request_id: str, status: RequestStatus, reason: str | None = None) -> None:
+        """Finish from outside (a stop string found by the detokenizer)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.stop_reason = reason
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.requests.pop(req.request_id, None)
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req.request_id)

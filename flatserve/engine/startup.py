@@ -1,0 +1,128 @@
+"""Start-up: device, model, tokenizer, measured peak, memory budget, KV pool.
+
+What it finds goes into `EngineState`, never back into the frozen EngineConfig.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flatserve import device as dev
+from flatserve.config import EngineConfig
+from flatserve.engine.request import Request
+from flatserve.engine.sampler import Sampler
+from flatserve.engine.sampling_params import SamplingParams
+from flatserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from flatserve.memory import BudgetRequest, CacheBudget, plan
+from flatserve.model.config import ModelConfig
+from flatserve.model.loader import ModelSource, build_model, load_hf_config, resolve_model
+from flatserve.runner import ModelRunner
+
+log = logging.getLogger("flatserve")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    model: ModelConfig
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    backend: str
+    budget: CacheBudget
+    eos_token_ids: frozenset[int]
+    weights_bytes: int
+
+    @property
+    def max_model_len(self) -> int:
+        return self.budget.max_model_len
+
+
+def load_tokenizer(src: ModelSource, override: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    kwargs = {"pretrained_model_name_or_path": override} if override else src.hf_kwargs
+    try:
+        return AutoTokenizer.from_pretrained(**kwargs)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {str(src.path)!r}: {e}") from None
+
+
+def _eos_ids(mcfg: ModelConfig, tokenizer: Any, src: ModelSource) -> frozenset[int]:
+    ids = set(mcfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not src.is_gguf:
+        try:
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(str(src.path)).eos_token_id
+            ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        except OSError:
+            pass  # no generation_config.json
+    return frozenset(ids)
+
+
+def profile_peak(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
+                 dtype: torch.dtype, device: torch.device) -> int:
+    """Peak activation memory of the largest step the scheduler may build, sampler included."""
+    T = cfg.max_num_batched_tokens
+    S = min(cfg.max_num_seqs, T)
+    bs = cfg.block_size
+    lens = [T // S + (1 if i < T % S else 0) for i in range(S)]
+    num_blocks = sum(-(-n // bs) for n in lens) + 1
+    runner = ModelRunner(model, mcfg, num_blocks, bs, dtype, device, "torch" if device.type != "cuda"
+                         else dev.default_backend(device))
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)
+    out, nxt = SchedulerOutput(), 1
+    for i, n in enumerate(lens):
+        req = Request(f"profile-{i}", [(7 * j) % mcfg.vocab_size for j in range(n)], params, 1)
+        nb = -(-n // bs)
+        out.scheduled.append(ScheduledRequest(req, 0, n, list(range(nxt, nxt + nb))))
+        nxt += nb
+    sampler = Sampler(mcfg.vocab_size, frozenset(), 0)
+    with dev.PeakTracker(device) as tracker:
+        runner.execute(out, sampler)
+    del runner
+    return max(tracker.peak, 0)
+
+
+def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
+    device = dev.select_device(cfg.device)
+    backend = cfg.attention_backend or dev.default_backend(device)
+    dtype = dev.resolve_dtype(cfg.dtype, device)
+    src = resolve_model(cfg.model)
+    hf = load_hf_config(src)
+    mcfg = ModelConfig.from_hf(hf)
+    tokenizer = load_tokenizer(src, cfg.tokenizer)
+    model = build_model(src, hf, mcfg, dtype, device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = profile_peak(model, mcfg, cfg, dtype, device)
+    bytes_per_block = mcfg.kv_bytes_per_token * cfg.block_size * torch.empty((), dtype=dtype).element_size()
+    budget = plan(dev.probe_memory(device), BudgetRequest(
+        weights=weights, peak_activations=peak, bytes_per_block=bytes_per_block,
+        block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
+        max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
+        gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
+        num_blocks_override=cfg.num_gpu_blocks_override))
+    log.info(budget.startup_line())
+    runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend)
+    state = EngineState(mcfg, src, device, dtype, backend, budget,
+                        _eos_ids(mcfg, tokenizer, src), weights)
+    return state, tokenizer, runner
+
+
+def _os_reserve(cfg: EngineConfig) -> float | None:
+    import os
+
+    if cfg.os_reserve_gb is not None:
+        return cfg.os_reserve_gb
+    env = os.environ.get("FLATSERVE_OS_RESERVE_GB")
+    if env is None:
+        return None
+    try:
+        return float(env)
+    except ValueError:
+        raise ValueError(f"FLATSERVE_OS_RESERVE_GB must be a number, got {env!r}") from None

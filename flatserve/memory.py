@@ -1,0 +1,135 @@
+"""The memory budget: how many KV blocks to allocate, or a refusal with the numbers.
+
+Unified memory (CPU, Apple MPS, integrated GPUs) is shared with the OS and the user's apps:
+keep a fixed tier for them and use the rest. A discrete GPU is the engine's alone: claim
+`gpu_memory_utilization` of it (vLLM's rule). Either way KV gets what weights and the measured
+activation peak leave, and the pool is allocated once, at start.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProbe:
+    total: int  # bytes of RAM (unified) or device memory (discrete)
+    available: int  # bytes free now
+    unified: bool
+    device: str  # "cpu", "mps", "cuda:0 (NVIDIA H100)", ...
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetRequest:
+    """Everything the arithmetic needs; built by the engine from config + measurements."""
+
+    weights: int
+    peak_activations: int
+    bytes_per_block: int  # all layers, K and V, KV dtype
+    block_size: int
+    model_max_len: int
+    max_model_len: int | None = None  # user's; None -> clamp the model's to what fits
+    os_reserve_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    num_blocks_override: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheBudget:
+    num_blocks: int  # including the reserved null block
+    block_size: int
+    max_model_len: int
+    clamped: bool  # max_model_len came from the model and was cut to what fits
+    total: int
+    reserve: int  # unified: os_reserve; discrete: (1 - utilization) * total
+    weights: int
+    peak: int
+    kv_budget: int
+    unified: bool
+    device: str
+
+    @property
+    def token_capacity(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    def startup_line(self) -> str:
+        kind = "RAM" if self.unified else "device memory"
+        reserve = "os_reserve" if self.unified else "unclaimed"
+        note = " (clamped to what fits)" if self.clamped else ""
+        return (f"memory budget on {self.device}: {kind} {_g(self.total)} - {reserve} "
+                f"{_g(self.reserve)} - weights {_g(self.weights)} - peak {_g(self.peak)} = "
+                f"KV {_g(self.kv_budget)} -> {self.num_blocks - 1} blocks x {self.block_size} = "
+                f"{self.token_capacity} tokens; max context per request {self.max_model_len}{note}")
+
+
+class BudgetError(ValueError):
+    """Start-up refusal; the message is the one paragraph the user sees."""
+
+
+def _g(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def os_reserve_bytes(ram: int, override_gb: float | None) -> int:
+    """4 GB up to 16 GB of RAM, 6 up to 64, 8 up to 128, else 12.
+
+    "GB" here is GiB throughout: a "16 GB" Mac reports 16 GiB of RAM.
+    """
+    if override_gb is not None:
+        if override_gb < 0:
+            raise BudgetError(f"os reserve must be >= 0 GB, got {override_gb}")
+        return int(override_gb * GiB)
+    for limit, reserve in ((16, 4), (64, 6), (128, 8)):
+        if ram <= limit * GiB:
+            return reserve * GiB
+    return 12 * GiB
+
+
+def plan(probe: MemoryProbe, req: BudgetRequest) -> CacheBudget:
+    """The budget's arithmetic; raises BudgetError with the whole story when nothing fits."""
+    if probe.unified:
+        reserve = os_reserve_bytes(probe.total, req.os_reserve_gb)
+    else:
+        reserve = int(probe.total * (1 - req.gpu_memory_utilization))
+        in_use = probe.total - probe.available  # other processes (and our weights, if loaded)
+        if probe.total - reserve < in_use and req.kv_cache_memory is None:
+            raise BudgetError(
+                f"Refusing to start on {probe.device}: gpu_memory_utilization "
+                f"{req.gpu_memory_utilization} asks for {_g(probe.total - reserve)} of "
+                f"{_g(probe.total)}, but {_g(in_use)} is already in use by this or other "
+                f"processes. Free the GPU or lower --gpu-memory-utilization.")
+    kv_budget = probe.total - reserve - req.weights - req.peak_activations
+    if req.kv_cache_memory is not None:
+        kv_budget = req.kv_cache_memory
+    if req.num_blocks_override is not None:
+        num_blocks = req.num_blocks_override
+    else:
+        num_blocks = max(0, kv_budget) // req.bytes_per_block
+    capacity = max(0, num_blocks - 1) * req.block_size
+    max_len, clamped = req.max_model_len, False
+    if max_len is None:
+        max_len = min(req.model_max_len, capacity)
+        clamped = max_len < req.model_max_len
+    need_blocks = -(-max_len // req.block_size)
+    budget = CacheBudget(num_blocks, req.block_size, max_len, clamped, probe.total, reserve,
+                         req.weights, req.peak_activations, kv_budget, probe.unified, probe.device)
+    if need_blocks > num_blocks - 1 or max_len < 2:
+        raise BudgetError(_refusal(budget, req, max(max_len, 2)))
+    return budget
+
+
+def _refusal(b: CacheBudget, req: BudgetRequest, max_len: int) -> str:
+    need = -(-max_len // req.block_size) * req.bytes_per_block
+    if b.unified:
+        head = (f"RAM {_g(b.total)} - os_reserve {_g(b.reserve)} - weights {_g(b.weights)} - "
+                f"peak activations {_g(b.peak)} leaves {_g(max(0, b.kv_budget))} for the KV cache")
+    else:
+        head = (f"device memory {_g(b.total)} x gpu_memory_utilization {req.gpu_memory_utilization} "
+                f"- weights {_g(b.weights)} - peak activations {_g(b.peak)} leaves "
+                f"{_g(max(0, b.kv_budget))} for the KV cache")
+    return (f"Refusing to start on {b.device}: {head} ({max(0, b.num_blocks - 1)} blocks of "
+            f"{b.block_size} tokens), but one sequence of max_model_len {max_len} needs {_g(need)}. "
+            f"To fit: lower --max-model-len, lower --os-reserve-gb (or FLATSERVE_OS_RESERVE_GB), "
+            f"set --kv-cache-memory, or lower --max-num-batched-tokens to shrink the peak.")

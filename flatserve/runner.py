@@ -1,0 +1,98 @@
+"""ModelRunner: SchedulerOutput -> one flat batch -> one forward -> logits of sampled rows only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from flatserve import device as dev
+from flatserve.attention.base import get_backend
+from flatserve.attention.metadata import AttentionMetadata, forward_context
+from flatserve.engine.request import Request
+from flatserve.engine.sampler import Logprobs, Sampler
+from flatserve.engine.scheduler import SchedulerOutput
+from flatserve.model.config import ModelConfig
+from flatserve.model.layers import Attention
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_index: torch.Tensor  # [S'] rows of the strip whose logits are sampled
+    sample_reqs: list[Request]
+
+
+def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> FlatBatch:
+    """Pack every scheduled request's new tokens end to end; boundaries in cu_seqlens_q.
+
+    numpy per sequence (not per token); a kernel can replace it behind this function.
+    """
+    sched = out.scheduled
+    q_lens = np.fromiter((s.num_tokens for s in sched), np.int64, len(sched))
+    starts = np.fromiter((s.start_pos for s in sched), np.int64, len(sched))
+    cu = np.zeros(len(sched) + 1, np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    seq_lens = starts + q_lens
+    ids = np.concatenate([np.asarray(s.request.token_ids[s.start_pos:s.start_pos + s.num_tokens],
+                                     np.int64) for s in sched])
+    # Position of each token: its sequence's start plus its offset inside the sequence's run.
+    seq_of_tok = np.repeat(np.arange(len(sched)), q_lens)
+    positions = starts[seq_of_tok] + np.arange(cu[-1]) - cu[:-1][seq_of_tok]
+    max_blocks = max(len(s.block_ids) for s in sched)
+    table = np.zeros((len(sched), max_blocks), np.int32)  # padding -> null block 0
+    for i, s in enumerate(sched):
+        table[i, :len(s.block_ids)] = s.block_ids
+    slots = table[seq_of_tok, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    sample_rows = [i for i, s in enumerate(sched) if s.samples]
+    pin = dev.pin_memory(device)
+
+    def put(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        cu_seqlens_q=put(cu.astype(np.int32)), seq_lens=put(seq_lens.astype(np.int32)),
+        block_table=put(table), slot_mapping=put(slots), max_q_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()), cu_seqlens_q_host=cu.tolist(),
+        seq_lens_host=seq_lens.tolist())
+    return FlatBatch(put(ids), put(positions), meta, put(cu[1:][sample_rows] - 1),
+                     [sched[i].request for i in sample_rows])
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, backend: str) -> None:
+        self.model, self.cfg, self.block_size = model, cfg, block_size
+        self.device, self.dtype = device, dtype
+        self.backend = get_backend(backend)
+        # One allocation for the whole pool: [layers, K|V, blocks, block_size, Hkv, D].
+        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
+                              cfg.head_dim, dtype=dtype, device=device)
+        attn = [m for m in model.modules() if isinstance(m, Attention)]
+        assert len(attn) == cfg.num_layers
+        for i, layer in enumerate(attn):
+            layer.kv_cache = (self.kv[i, 0], self.kv[i, 1])  # [num_blocks, block_size, Hkv, D]
+            layer.backend = self.backend
+        self.num_forward_tokens = 0  # tokens the model actually ran (prefix-cache tests read it)
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
+        with forward_context(batch.meta):
+            hidden = self.model(batch.input_ids, batch.positions)  # [T, H]
+        self.num_forward_tokens += batch.input_ids.shape[0]
+        return self.model.compute_logits(hidden[batch.logits_index])  # [S', V]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, sampler: Sampler
+                ) -> tuple[list[Request], list[int], list[Logprobs | None]]:
+        batch = build_flat_batch(out, self.block_size, self.device)
+        logits = self.forward_logits(batch)
+        if not batch.sample_reqs:
+            return [], [], []
+        st = sampler.prepare(batch.sample_reqs, self.device)
+        tokens, logprobs = sampler.sample(logits, batch.sample_reqs, st)
+        return batch.sample_reqs, tokens.tolist(), logprobs  # the step's one device->host copy
