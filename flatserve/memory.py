@@ -69,7 +69,7 @@ class BudgetError(ValueError):
 
 
 def _g(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 def os_reserve_bytes(ram: int, override_gb: float | None) -> int:

@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny random-weight HF checkpoints (no hub) and the default GGUF model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VOCAB = 512
+
+
+def _tokenizer() -> Any:
+    """A word-level tokenizer over VOCAB made-up words: enough to round-trip text offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+
+
+def hf_config(family: str) -> Any:
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  initializer_range=0.1)
+    if family == "qwen3":
+        return Qwen3Config(**common, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True, architectures=["LlamaForCausalLM"],
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                            "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 256})
+    if family == "gemma3":
+        return Gemma3TextConfig(**common, sliding_window=64, query_pre_attn_scalar=24,
+                                layer_types=["sliding_attention", "sliding_attention",
+                                             "full_attention", "sliding_attention"],
+                                architectures=["Gemma3ForCausalLM"])
+    raise ValueError(family)
+
+
+def build_checkpoint(family: str, root: Path, seed: int = 0) -> tuple[Path, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = hf_config(family)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    path = root / family
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama", "gemma3"])
+def tiny_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> tuple[str, Path, Any]:
+    path, model = build_checkpoint(request.param, tmp_path_factory.mktemp("ckpt"))
+    return request.param, path, model
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from flatserve.model.loader import default_model_path as dmp
+
+    return dmp()
