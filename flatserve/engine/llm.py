@@ -19,11 +19,16 @@ Prompt = str | list[int] | dict[str, Any]
 class LLM:
     """Owns an Engine and steps it until every request is done (no inherited loop)."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **kwargs: Any) -> None:
+        self.config = config or EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = Engine(self.config)
         self._template, self._eot = chat_template(
             self.engine.tokenizer, self.engine.state.model.architecture, self.config.chat_template)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        return cls(config=config)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

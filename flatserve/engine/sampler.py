@@ -1,6 +1,6 @@
 """Vectorised sampler with per-request parameters; host `prepare`, device `sample`.
 
-Order (as vLLM): logit_bias, min_tokens mask, penalties -> (logprobs from the raw logits) ->
+Order (as vLLM): logit_bias, min_tokens mask, penalties -> (logprobs of these processed logits) ->
 greedy argmax | temperature, min-p, top-k, top-p, exponential-race draw.
 """
 from __future__ import annotations

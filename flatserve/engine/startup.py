@@ -19,6 +19,7 @@ from flatserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from flatserve.memory import BudgetRequest, CacheBudget, plan
 from flatserve.model.config import ModelConfig
 from flatserve.model.loader import ModelSource, build_model, load_hf_config, resolve_model
+from flatserve.model.registry import get_model_class
 from flatserve.runner import ModelRunner
 
 log = logging.getLogger("flatserve")
@@ -95,6 +96,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
     dtype = dev.resolve_dtype(cfg.dtype, device)
     src = resolve_model(cfg.model)
     hf = load_hf_config(src)
+    get_model_class((getattr(hf, "architectures", None) or [""])[0])  # unsupported -> ValueError
     mcfg = ModelConfig.from_hf(hf)
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     model = build_model(src, hf, mcfg, dtype, device)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Create .venv with the local CPU torch build and flatserve (editable) plus test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null
+# torch==2.13.0 resolves to the CPU wheel on this machine kind; a looser spec pulls CUDA (GBs).
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e '.[test]'
