@@ -34,6 +34,7 @@ class BudgetRequest:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     num_blocks_override: int | None = None
+    runtime: int = 0  # unified memory: the process before weights (interpreter, torch, tokenizer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class CacheBudget:
     kv_budget: int
     unified: bool
     device: str
+    runtime: int = 0
 
     @property
     def token_capacity(self) -> int:
@@ -56,10 +58,13 @@ class CacheBudget:
 
     def startup_line(self) -> str:
         kind = "RAM" if self.unified else "device memory"
+        if self.kv_budget and self.kv_budget != self.total - self.reserve - self.runtime - self.weights - self.peak:
+            kind = "(--kv-cache-memory overrides) " + kind
         reserve = "os_reserve" if self.unified else "unclaimed"
         note = " (clamped to what fits)" if self.clamped else ""
         return (f"memory budget on {self.device}: {kind} {_g(self.total)} - {reserve} "
-                f"{_g(self.reserve)} - weights {_g(self.weights)} - peak {_g(self.peak)} = "
+                f"{_g(self.reserve)} - runtime {_g(self.runtime)} - weights {_g(self.weights)} - "
+                f"peak {_g(self.peak)} = "
                 f"KV {_g(self.kv_budget)} -> {self.num_blocks - 1} blocks x {self.block_size} = "
                 f"{self.token_capacity} tokens; max context per request {self.max_model_len}{note}")
 
@@ -93,14 +98,15 @@ def plan(probe: MemoryProbe, req: BudgetRequest) -> CacheBudget:
         reserve = os_reserve_bytes(probe.total, req.os_reserve_gb)
     else:
         reserve = int(probe.total * (1 - req.gpu_memory_utilization))
-        in_use = probe.total - probe.available  # other processes (and our weights, if loaded)
-        if probe.total - reserve < in_use and req.kv_cache_memory is None:
+        # As vLLM: the probe is taken before our weights load, so "in use" is other processes.
+        if probe.total - reserve > probe.available and req.kv_cache_memory is None:
             raise BudgetError(
                 f"Refusing to start on {probe.device}: gpu_memory_utilization "
                 f"{req.gpu_memory_utilization} asks for {_g(probe.total - reserve)} of "
-                f"{_g(probe.total)}, but {_g(in_use)} is already in use by this or other "
-                f"processes. Free the GPU or lower --gpu-memory-utilization.")
-    kv_budget = probe.total - reserve - req.weights - req.peak_activations
+                f"{_g(probe.total)}, but only {_g(probe.available)} is free "
+                f"({_g(probe.total - probe.available)} already in use by other processes). "
+                f"Free the GPU or lower --gpu-memory-utilization.")
+    kv_budget = probe.total - reserve - req.runtime - req.weights - req.peak_activations
     if req.kv_cache_memory is not None:
         kv_budget = req.kv_cache_memory
     if req.num_blocks_override is not None:
@@ -114,7 +120,8 @@ def plan(probe: MemoryProbe, req: BudgetRequest) -> CacheBudget:
         clamped = max_len < req.model_max_len
     need_blocks = -(-max_len // req.block_size)
     budget = CacheBudget(num_blocks, req.block_size, max_len, clamped, probe.total, reserve,
-                         req.weights, req.peak_activations, kv_budget, probe.unified, probe.device)
+                         req.weights, req.peak_activations, kv_budget, probe.unified, probe.device,
+                         req.runtime)
     if need_blocks > num_blocks - 1 or max_len < 2:
         raise BudgetError(_refusal(budget, req, max(max_len, 2)))
     return budget
@@ -123,8 +130,8 @@ def plan(probe: MemoryProbe, req: BudgetRequest) -> CacheBudget:
 def _refusal(b: CacheBudget, req: BudgetRequest, max_len: int) -> str:
     need = -(-max_len // req.block_size) * req.bytes_per_block
     if b.unified:
-        head = (f"RAM {_g(b.total)} - os_reserve {_g(b.reserve)} - weights {_g(b.weights)} - "
-                f"peak activations {_g(b.peak)} leaves {_g(max(0, b.kv_budget))} for the KV cache")
+        head = (f"RAM {_g(b.total)} - os_reserve {_g(b.reserve)} - runtime {_g(b.runtime)} - "
+                f"weights {_g(b.weights)} - peak activations {_g(b.peak)} leaves {_g(max(0, b.kv_budget))} for the KV cache")
     else:
         head = (f"device memory {_g(b.total)} x gpu_memory_utilization {req.gpu_memory_utilization} "
                 f"- weights {_g(b.weights)} - peak activations {_g(b.peak)} leaves "

@@ -99,16 +99,18 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
     get_model_class((getattr(hf, "architectures", None) or [""])[0])  # unsupported -> ValueError
     mcfg = ModelConfig.from_hf(hf)
     tokenizer = load_tokenizer(src, cfg.tokenizer)
+    runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
+    probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
     model = build_model(src, hf, mcfg, dtype, device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     peak = profile_peak(model, mcfg, cfg, dtype, device)
     bytes_per_block = mcfg.kv_bytes_per_token * cfg.block_size * torch.empty((), dtype=dtype).element_size()
-    budget = plan(dev.probe_memory(device), BudgetRequest(
+    budget = plan(probe, BudgetRequest(
         weights=weights, peak_activations=peak, bytes_per_block=bytes_per_block,
         block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
         max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
         gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
-        num_blocks_override=cfg.num_gpu_blocks_override))
+        num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime))
     log.info(budget.startup_line())
     runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend)
     state = EngineState(mcfg, src, device, dtype, backend, budget,

@@ -1,0 +1,143 @@
+"""Memory budget: arithmetic with injected probes, a real small-budget start, refusal, full load."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from flatserve.memory import BudgetError, BudgetRequest, GiB, MemoryProbe, os_reserve_bytes, plan
+
+MiB = 2**20
+BPB = 16 * 36 * 1024  # a block of 16 tokens at 36 KiB/token (Gemma 3 270M, fp32)
+
+
+def _req(**kw) -> BudgetRequest:
+    base = dict(weights=1 * GiB, peak_activations=512 * MiB, bytes_per_block=BPB, block_size=16,
+                model_max_len=32768)
+    base.update(kw)
+    return BudgetRequest(**base)
+
+
+@pytest.mark.parametrize("ram_gb,reserve_gb", [
+    (8, 4), (16, 4), (24, 6), (36, 6), (64, 6), (96, 8), (128, 8), (192, 12), (512, 12)])
+def test_tiers_and_kv_arithmetic(ram_gb: int, reserve_gb: int) -> None:
+    assert os_reserve_bytes(ram_gb * GiB, None) == reserve_gb * GiB
+    b = plan(MemoryProbe(ram_gb * GiB, ram_gb * GiB, True, "cpu"), _req())
+    kv = ram_gb * GiB - reserve_gb * GiB - GiB - 512 * MiB
+    assert b.kv_budget == kv and b.num_blocks == kv // BPB
+    assert b.max_model_len == 32768 and not b.clamped
+
+
+def test_tier_boundaries_are_inclusive() -> None:
+    assert os_reserve_bytes(16 * GiB, None) == 4 * GiB
+    assert os_reserve_bytes(16 * GiB + 1, None) == 6 * GiB
+    assert os_reserve_bytes(64 * GiB + 1, None) == 8 * GiB
+    assert os_reserve_bytes(128 * GiB + 1, None) == 12 * GiB
+
+
+def test_override_clamp_and_refusal() -> None:
+    probe = MemoryProbe(8 * GiB, 8 * GiB, True, "cpu")
+    b = plan(probe, _req(os_reserve_gb=2))
+    assert b.reserve == 2 * GiB
+    # Leave ~0.5 GiB of KV: 910 blocks, not enough for 32k tokens -> clamp and say so.
+    b = plan(probe, _req(os_reserve_gb=8 - 2.0))
+    assert b.clamped and b.max_model_len == (b.num_blocks - 1) * 16 < 32768
+    assert "clamped" in b.startup_line()
+    with pytest.raises(BudgetError) as e:
+        plan(probe, _req(os_reserve_gb=8 - 2.0, max_model_len=32768))
+    msg = str(e.value)
+    for part in ("RAM 8.00 GiB", "os_reserve 6.00 GiB", "weights 1.00 GiB", "peak activations 512.0 MiB",
+                 "max_model_len 32768 needs", "--max-model-len", "--os-reserve-gb", "--kv-cache-memory",
+                 "--max-num-batched-tokens"):
+        assert part in msg, part
+    b = plan(probe, _req(os_reserve_gb=7.9, kv_cache_memory=1 * GiB))
+    assert b.num_blocks == GiB // BPB
+
+
+def test_discrete_gpu_utilization_and_busy_refusal() -> None:
+    probe = MemoryProbe(80 * GiB, 79 * GiB, False, "cuda:0")
+    b = plan(probe, _req(gpu_memory_utilization=0.9))
+    assert b.kv_budget == 80 * GiB - int(80 * GiB * (1 - 0.9)) - GiB - 512 * MiB
+    with pytest.raises(BudgetError, match="already in use"):
+        plan(MemoryProbe(80 * GiB, 20 * GiB, False, "cuda:0"), _req())
+
+
+def _ram_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().total / GiB
+
+
+LOAD_SCRIPT = r"""
+import sys, json
+from flatserve import LLM, SamplingParams
+llm = LLM(dtype="float32", os_reserve_gb=float(sys.argv[1]), max_model_len=1024,
+          max_num_batched_tokens=256, max_num_seqs=32)
+b = llm.engine.state.budget
+print(json.dumps({"blocks": b.num_blocks, "total": b.total, "reserve": b.reserve,
+                  "runtime": b.runtime, "weights": b.weights, "peak": b.peak,
+                  "kv": b.kv_budget, "bpb": 16 * 2 * 18 * 256 * 4}), flush=True)
+import random
+rng = random.Random(0)
+words = "the cat sat on a mat while it rained outside and then went home".split()
+prompts = [" ".join(rng.choice(words) for _ in range(350 + 5 * i)) for i in range(16)]
+outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True), use_tqdm=False)
+assert all(len(o.outputs[0].token_ids) == 48 for o in outs)
+print(json.dumps({"preemptions": llm.engine.scheduler.num_preemptions,
+                  "used": llm.engine.num_used_blocks}), flush=True)
+"""
+
+
+def test_small_budget_start_full_load_preempts_and_stays_in_budget(default_model_path) -> None:
+    import json
+
+    import psutil
+
+    # Leave ~2.1 GiB for the whole inference: runtime + weights (1 GiB fp32) + peak + a small KV.
+    reserve = _ram_gib() - 2.1
+    proc = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, f"{reserve}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, stop = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        p = psutil.Process(proc.pid)
+        while not stop.is_set():
+            try:
+                peak = max(peak, p.memory_info().rss)
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    out, err = proc.communicate(timeout=900)
+    stop.set()
+    t.join()
+    assert proc.returncode == 0, err[-2000:]
+    first, last = (json.loads(line) for line in out.strip().splitlines()[-2:])
+    kv = first["total"] - first["reserve"] - first["runtime"] - first["weights"] - first["peak"]
+    assert first["kv"] == kv and first["blocks"] == kv // first["bpb"], first
+    assert (first["blocks"] - 1) * 16 < 16 * 400, "the budget must not hold all 16 requests at once"
+    assert last["preemptions"] > 0 and last["used"] == 0
+    budget = first["total"] - first["reserve"]
+    assert peak < budget * 1.05, f"peak RSS {peak / GiB:.2f} GiB > budget {budget / GiB:.2f} GiB + 5%"
+
+
+def test_refusal_exits_nonzero_with_the_numbers_fast(default_model_path) -> None:
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "flatserve.cli", "generate", "--prompt", "hi",
+                        "--dtype", "float32", "--os-reserve-gb", f"{_ram_gib() - 1.0}",
+                        "--max-model-len", "8192"], capture_output=True, text=True, timeout=120)
+    assert time.time() - t0 < 30, "refusal must come quickly"
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("flatserve: error:")]
+    assert len(line) == 1, r.stderr
+    msg = line[0]
+    for part in ("Refusing to start on cpu", "RAM ", "os_reserve ", "runtime ", "weights ",
+                 "peak activations ", "max_model_len 8192 needs", "--max-model-len",
+                 "--os-reserve-gb", "--kv-cache-memory", "--max-num-batched-tokens"):
+        assert part in msg, part
