@@ -1,0 +1,177 @@
+"""Offline CPU throughput: flatserve vs transformers' padded batched `generate`, same prompts, same run.
+
+    python benchmarks/offline_cpu.py [--levels 1,4,16] [--max-tokens 128] [--dtype auto] [--out F.json]
+
+Each (engine, level) runs in its own subprocess so peak RSS is that engine's alone. Also measured
+in the same run: this CPU's matmul rate (bf16 and fp32) and copy bandwidth, giving the floor of a
+decode step: max(FLOPs / matmul rate, bytes / bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+
+WORDS = ("the of and a to in is you that it he was for on are as with his they at be this "
+         "from have or by one had not but what all were when we there can an your which their").split()
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    """Mixed lengths 10..1,500 tokens (about one token per word for this vocabulary)."""
+    rng = random.Random(seed)
+    lens = [10, 1500] + [rng.randint(10, 1500) for _ in range(max(0, n - 2))]
+    return [" ".join(rng.choice(WORDS) for _ in range(L)) for L in lens[:n]]
+
+
+def run_flatserve(prompts: list[str], max_tokens: int, dtype: str) -> dict:
+    from flatserve import LLM, SamplingParams
+
+    llm = LLM(dtype=dtype, kv_cache_memory=2 * 2**30, max_model_len=4096)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "out_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+            "dtype": str(llm.engine.state.dtype)}
+
+
+def run_transformers(prompts: list[str], max_tokens: int, dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flatserve.device import resolve_dtype
+    from flatserve.model.loader import default_model_path, gguf_sidecar
+
+    path = default_model_path()
+    dt = resolve_dtype(dtype, torch.device("cpu"))
+    tok = AutoTokenizer.from_pretrained(str(gguf_sidecar(path)))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).to(dt).eval()
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        model.generate(**tok(prompts[:1], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        out = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=tok.pad_token_id)
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "out_tokens": int((out.shape[1] - enc.input_ids.shape[1]) * len(prompts)),
+            "prompt_tokens": int(enc.attention_mask.sum()), "padded_to": int(enc.input_ids.shape[1]),
+            "dtype": str(dt)}
+
+
+def measure_floor(dtype: str) -> dict:
+    import torch
+
+    from flatserve.device import resolve_dtype
+
+    res = {}
+    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        a, b = torch.randn(2048, 2048, dtype=dt), torch.randn(2048, 2048, dtype=dt)
+        for _ in range(3):
+            a @ b
+        n, t0 = 10, time.perf_counter()
+        for _ in range(n):
+            a @ b
+        res[f"matmul_{name}_flops"] = 2 * 2048**3 * n / (time.perf_counter() - t0)
+    x = torch.randn(64 * 2**20 // 4)  # 256 MiB: far past the caches
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    res["copy_bytes_per_s"] = 2 * x.numel() * 4 * 5 / (time.perf_counter() - t0)  # read + write
+    res["dtype"] = str(resolve_dtype(dtype, torch.device("cpu")))
+    return res
+
+
+def _child(args: argparse.Namespace) -> None:
+    prompts = make_prompts(args.level)
+    fn = run_flatserve if args.engine == "flatserve" else run_transformers
+    print("RESULT " + json.dumps(fn(prompts, args.max_tokens, args.dtype)), flush=True)
+
+
+def _spawn(engine: str, level: int, args: argparse.Namespace) -> dict:
+    import psutil
+
+    cmd = [sys.executable, __file__, "--child", "--engine", engine, "--level", str(level),
+           "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    peak, done = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        p = psutil.Process(proc.pid)
+        while not done.is_set():
+            try:
+                peak = max(peak, p.memory_info().rss)
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.1)
+
+    th = threading.Thread(target=sample)
+    th.start()
+    out, _ = proc.communicate()
+    done.set()
+    th.join()
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    r = json.loads(line[7:])
+    r.update(engine=engine, level=level, peak_rss=peak, tok_per_s=r["out_tokens"] / r["wall"])
+    return r
+
+
+def gemma_270m_costs() -> dict:
+    """FLOPs per token and bytes per decode step for Gemma 3 270M (weights only; KV is small)."""
+    hidden, inter, layers, vocab, hq, hkv, d = 640, 2048, 18, 262144, 4, 1, 256
+    per_layer = hidden * (hq + 2 * hkv) * d + hq * d * hidden + 3 * hidden * inter
+    params_matmul = layers * per_layer + vocab * hidden  # the LM head is one more matmul
+    return {"flops_per_token": 2 * params_matmul, "weight_params": params_matmul}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--levels", default="1,4,16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--engines", default="flatserve,transformers")
+    ap.add_argument("--out", default="bench_out/offline_cpu.json")
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--engine")
+    ap.add_argument("--level", type=int)
+    args = ap.parse_args()
+    if args.child:
+        return _child(args)
+    floor = measure_floor(args.dtype)
+    costs = gemma_270m_costs()
+    rows = [_spawn(e, int(lv), args) for lv in args.levels.split(",") for e in args.engines.split(",")]
+    rate = floor["matmul_bf16_flops"] if "bfloat16" in floor["dtype"] else floor["matmul_fp32_flops"]
+    elt = 2 if "bfloat16" in floor["dtype"] else 4
+    print(f"matmul {floor['dtype']}: {rate / 1e9:.0f} GFLOP/s; copy bandwidth "
+          f"{floor['copy_bytes_per_s'] / 1e9:.1f} GB/s")
+    print("| engine | requests | output tok/s | wall s | peak RSS GiB | floor tok/s | vs floor |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        # Floor for the whole run: every token's FLOPs at the matmul rate, and each decode step
+        # reading all weights once at the copy bandwidth; the larger term binds.
+        total = r["prompt_tokens"] + r["out_tokens"]
+        t_compute = total * costs["flops_per_token"] / rate
+        t_memory = args.max_tokens * costs["weight_params"] * elt / floor["copy_bytes_per_s"]
+        floor_tps = r["out_tokens"] / max(t_compute, t_memory)
+        r.update(floor_tok_per_s=floor_tps, t_compute=t_compute, t_memory=t_memory)
+        print(f"| {r['engine']} | {r['level']} | {r['tok_per_s']:.1f} | {r['wall']:.1f} | "
+              f"{r['peak_rss'] / 2**30:.2f} | {floor_tps:.1f} | {r['tok_per_s'] / floor_tps:.2f} |")
+    import os
+
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"floor": floor, "costs": costs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The step loop on its own thread; one asyncio queue of outputs per request.
+
+Only the engine thread touches the Engine. HTTP handlers submit commands through a queue and
+read `RequestOutput` snapshots (cumulative) from their own stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from flatserve.engine.engine import Engine
+from flatserve.engine.outputs import RequestOutput
+from flatserve.engine.sampling_params import SamplingParams
+from flatserve.server.metrics import Metrics
+
+log = logging.getLogger("flatserve")
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    start: float = field(default_factory=time.perf_counter)
+    last: float = 0.0
+    tokens: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._cmds: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="flatserve-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---------------------------------------------------------------- handler side
+    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+        rid = f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        q: asyncio.Queue = asyncio.Queue()
+        self._cmds.put(("add", rid, prompt_ids, params, _Stream(loop, q), fut))
+        await fut  # raises the engine's ValueError, if any
+        return rid, q
+
+    def abort(self, rid: str) -> None:
+        self._cmds.put(("abort", rid))
+
+    def abort_all(self) -> None:
+        self._cmds.put(("abort_all",))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._cmds.put(("noop",))
+        self._thread.join(timeout=10)
+
+    # ---------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    outs = self.engine.step()
+                    for out in outs:
+                        self._deliver(out)
+                    self.metrics.update(self.engine.stats())
+        except BaseException as e:  # a bug: fail every stream instead of hanging them
+            log.exception("engine loop crashed")
+            self.error = e
+            for rid in list(self._streams):
+                self._fail(rid, e)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, ids, params, stream, fut = cmd
+            try:
+                self.engine.add_request(ids, params, rid)
+            except ValueError as e:
+                stream.loop.call_soon_threadsafe(_set_exc, fut, e)
+                return
+            self._streams[rid] = stream
+            stream.loop.call_soon_threadsafe(_set_result, fut, rid)
+        elif kind == "abort":
+            self._abort(cmd[1])
+        elif kind == "abort_all":
+            for rid in list(self._streams):
+                self._abort(rid)
+        self.metrics.update(self.engine.stats())
+
+    def _abort(self, rid: str) -> None:
+        stream = self._streams.pop(rid, None)
+        if self.engine.abort(rid) and stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, None)  # None: aborted
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        now = time.perf_counter()
+        n = sum(len(c.token_ids) for c in out.outputs)
+        if n > stream.tokens:
+            if stream.tokens == 0:
+                self.metrics.ttft.observe(now - stream.start)
+            else:
+                self.metrics.itl.observe(now - stream.last)
+            stream.tokens, stream.last = n, now
+        if out.finished:
+            self.metrics.e2e.observe(now - stream.start)
+            del self._streams[out.request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _fail(self, rid: str, e: BaseException) -> None:
+        stream = self._streams.pop(rid)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+
+
+def _set_result(fut: asyncio.Future, v: object) -> None:
+    if not fut.done():
+        fut.set_result(v)
+
+
+def _set_exc(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

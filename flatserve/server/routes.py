@@ -1,0 +1,265 @@
+"""/v1/completions and /v1/chat/completions: validation, fan-out, streaming and collection."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from flatserve.engine.chat import render
+from flatserve.engine.outputs import CompletionOutput, RequestOutput
+from flatserve.engine.sampling_params import SamplingParams
+from flatserve.server.protocol import ChatRequest, CompletionRequest, _Sampling
+
+if TYPE_CHECKING:
+    from flatserve.server.app import ServerState
+
+
+def _err(status: int, msg: str, param: str | None = None, code: str | None = None) -> Exception:
+    from flatserve.server.app import APIError
+
+    return APIError(status, msg, param, code)
+
+
+def _check_model(state: ServerState, req: _Sampling) -> None:
+    if req.model is not None and req.model != state.model_name:
+        raise _err(404, f"The model '{req.model}' does not exist; this server serves "
+                        f"'{state.model_name}'", "model", "model_not_found")
+
+
+def _params(req: _Sampling, max_tokens: int, logprobs: int | None,
+            stop_ids: list[int] | None = None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0, seed=req.seed, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None,
+            stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
+    except ValueError as e:
+        raise _err(400, str(e)) from None
+
+
+def _check_len(state: ServerState, ids: list[int], max_tokens: int | None, what: str) -> int:
+    limit = state.engine.state.max_model_len
+    if max_tokens is None:
+        max_tokens = limit - len(ids)
+    if len(ids) + max_tokens > limit:
+        raise _err(400, f"This model's maximum context length is {limit} tokens. However, you "
+                        f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {what}, "
+                        f"{max_tokens} for the completion). Reduce the length of the {what} or "
+                        f"max_tokens.", "max_tokens", "context_length_exceeded")
+    return max_tokens
+
+
+def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
+    try:
+        return state.engine.tokenize(prompt)[1]
+    except ValueError as e:
+        raise _err(400, str(e), "prompt") from None
+
+
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise _err(400, "prompt is empty", "prompt")
+    if all(isinstance(x, int) for x in p):
+        return [p]  # type: ignore[list-item]
+    return list(p)  # type: ignore[arg-type]
+
+
+async def _submit_all(state: ServerState, jobs: list[tuple[list[int], SamplingParams]]
+                      ) -> list[tuple[str, asyncio.Queue]]:
+    subs: list[tuple[str, asyncio.Queue]] = []
+    try:
+        for ids, params in jobs:
+            subs.append(await state.async_engine.submit(ids, params))
+    except ValueError as e:
+        for rid, _ in subs:
+            state.async_engine.abort(rid)
+        raise _err(400, str(e)) from None
+    return subs
+
+
+async def _next(q: asyncio.Queue) -> RequestOutput | None:
+    item = await q.get()
+    if isinstance(item, BaseException):
+        raise _err(500, f"engine failed: {item}")
+    return item
+
+
+async def _collect(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Request
+                   ) -> list[RequestOutput | None]:
+    """Wait for every sub-request; a client that goes away aborts them all at once."""
+
+    async def one(q: asyncio.Queue) -> RequestOutput | None:
+        last = None
+        while True:
+            out = await _next(q)
+            if out is None or out.finished:
+                return out if out is not None else last
+            last = out
+
+    waiter = asyncio.gather(*(one(q) for _, q in subs))
+    while not waiter.done():
+        if await raw.is_disconnected():
+            for rid, _ in subs:
+                state.async_engine.abort(rid)
+            waiter.cancel()
+            return []
+        await asyncio.wait({waiter}, timeout=0.1)
+    return waiter.result()
+
+
+def _usage(prompt_lens: list[int], outs: list[RequestOutput | None]) -> dict[str, int]:
+    comp = sum(len(c.token_ids) for o in outs if o for c in o.outputs)
+    return {"prompt_tokens": sum(prompt_lens), "completion_tokens": comp,
+            "total_tokens": sum(prompt_lens) + comp}
+
+
+def _completion_logprobs(state: ServerState, c: CompletionOutput, start: int, offset: int) -> dict | None:
+    if c.logprobs is None:
+        return None
+    dec = state.engine.tokenizer.decode
+    toks, lps, tops, offs = [], [], [], []
+    for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
+        s = dec([tid])
+        toks.append(s)
+        lps.append(d[tid].logprob)
+        tops.append({(lp.decoded_token or ""): lp.logprob for t, lp in d.items() if lp.rank is not None})
+        offs.append(offset)
+        offset += len(s)
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def _chat_logprobs(c: CompletionOutput, start: int) -> dict | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
+        tok = d[tid].decoded_token or ""
+        content.append({"token": tok, "logprob": d[tid].logprob, "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                                          "bytes": list((lp.decoded_token or "").encode())}
+                                         for t, lp in d.items() if lp.rank is not None]})
+    return {"content": content}
+
+
+async def completions(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+    _check_model(state, req)
+    if req.echo and req.logprobs is not None:
+        raise _err(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
+    prompts = _prompts(req)
+    ids = [_tokenize(state, p) for p in prompts]
+    jobs = [(i, _params(req, _check_len(state, i, req.max_tokens, "prompt"), req.logprobs)) for i in ids]
+    echo = [(p if isinstance(p, str) else state.engine.tokenizer.decode(p)) if req.echo else ""
+            for p in prompts]
+    subs = await _submit_all(state, jobs)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def choice(k: int, c: CompletionOutput, text: str, start: int) -> dict:
+        return {"index": k * req.n + c.index, "text": text, "finish_reason": c.finish_reason,
+                "logprobs": _completion_logprobs(state, c, start, 0)}
+
+    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    if req.stream:
+        return _stream(state, subs, raw, base, [len(i) for i in ids], req, choice, echo)
+    outs = await _collect(state, subs, raw)
+    choices = [choice(k, c, echo[k] + c.text, 0) for k, o in enumerate(outs) if o for c in o.outputs]
+    return JSONResponse({**base, "choices": choices, "usage": _usage([len(i) for i in ids], outs)})
+
+
+async def chat(state: ServerState, req: ChatRequest, raw: Request) -> Response:
+    _check_model(state, req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise _err(400, "top_logprobs requires logprobs=true", "top_logprobs")
+    try:
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = render(state.engine.tokenizer, state.template, msgs)
+    except ValueError as e:
+        raise _err(400, str(e), "messages") from None
+    except Exception as e:  # jinja raises its own errors for templates that reject a conversation
+        raise _err(400, f"the chat template rejected these messages: {e}", "messages") from None
+    max_tokens = _check_len(state, ids, req.max_completion_tokens or req.max_tokens, "messages")
+    stop_ids = [state.eot] if state.eot is not None else None
+    params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop_ids)
+    subs = await _submit_all(state, [(ids, params)])
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    base = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
+    if req.stream:
+        base["object"] = "chat.completion.chunk"
+
+        def delta(k: int, c: CompletionOutput, text: str, start: int) -> dict:
+            return {"index": c.index, "delta": {"content": text} if text else {},
+                    "logprobs": _chat_logprobs(c, start), "finish_reason": c.finish_reason}
+
+        return _stream(state, subs, raw, base, [len(ids)], req, delta, [""], role_first=True)
+    outs = await _collect(state, subs, raw)
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": _chat_logprobs(c, 0), "finish_reason": c.finish_reason}
+               for o in outs if o for c in o.outputs]
+    return JSONResponse({**base, "choices": choices, "usage": _usage([len(ids)], outs)})
+
+
+def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Request, base: dict,
+            prompt_lens: list[int], req: _Sampling, make: Callable[..., dict], echo: list[str],
+            role_first: bool = False) -> StreamingResponse:
+    from flatserve.server.app import dumps
+
+    async def events() -> AsyncIterator[str]:
+        sent_text: dict[tuple[int, int], int] = {}
+        sent_tok: dict[tuple[int, int], int] = {}
+        finals: list[RequestOutput | None] = [None] * len(subs)
+        live = set(range(len(subs)))
+        try:
+            if role_first:
+                for i in range(req.n):
+                    yield "data: " + dumps({**base, "choices": [{"index": i, "delta": {
+                        "role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}]}) + "\n\n"
+            for k, e in enumerate(echo):
+                if e:
+                    for i in range(req.n):
+                        yield "data: " + dumps({**base, "choices": [{"index": k * req.n + i, "text": e,
+                                                                     "logprobs": None, "finish_reason": None}]}) + "\n\n"
+            getters = {asyncio.ensure_future(_next(subs[k][1])): k for k in live}
+            while getters:
+                done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    k = getters.pop(fut)
+                    out = fut.result()
+                    if out is None:  # aborted (shutdown): close its choices with a final chunk
+                        for i in range(req.n):
+                            yield "data: " + dumps({**base, "choices": [_aborted(make, k, i)]}) + "\n\n"
+                        continue
+                    for c in out.outputs:
+                        key = (k, c.index)
+                        t0, n0 = sent_text.get(key, 0), sent_tok.get(key, 0)
+                        new_text, new_tok = c.text[t0:], len(c.token_ids) - n0
+                        if new_text or c.finish_reason or (new_tok and c.logprobs is not None):
+                            sent_text[key], sent_tok[key] = len(c.text), len(c.token_ids)
+                            yield "data: " + dumps({**base, "choices": [make(k, c, new_text, n0)]}) + "\n\n"
+                    finals[k] = out
+                    if not out.finished:
+                        getters[asyncio.ensure_future(_next(subs[k][1]))] = k
+            if req.stream_options and req.stream_options.include_usage:
+                yield "data: " + dumps({**base, "choices": [], "usage": _usage(prompt_lens, finals)}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or we finished): free whatever is still running
+            for rid, _ in subs:
+                state.async_engine.abort(rid)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _aborted(make: Callable[..., dict], k: int, i: int) -> dict[str, Any]:
+    c = CompletionOutput(i, "", [], finish_reason="abort")
+    return make(k, c, "", 0)
