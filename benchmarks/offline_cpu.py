@@ -30,7 +30,7 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
 def run_flatserve(prompts: list[str], max_tokens: int, dtype: str) -> dict:
     from flatserve import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, kv_cache_memory=2 * 2**30, max_model_len=4096)
+    llm = LLM(dtype=dtype, kv_cache_memory=512 * 2**20, max_model_len=4096)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm
     t0 = time.perf_counter()

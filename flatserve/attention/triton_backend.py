@@ -1,0 +1,24 @@
+"""CUDA attention backend: Triton KV write + one unified paged varlen attention launch."""
+from __future__ import annotations
+
+import torch
+
+from flatserve.attention.base import LayerAttnParams
+from flatserve.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here, not at module top: `import flatserve` never needs Triton.
+        from flatserve.attention.kernels.store_kv import store_kv
+        from flatserve.attention.kernels.unified_attention import unified_attention
+
+        self._store, self._attend = store_kv, unified_attention
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                p: LayerAttnParams, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, p, sinks)

@@ -1,0 +1,132 @@
+"""Triton kernels against the torch backend (the reference), on fresh random inputs. CUDA only."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flatserve.attention.base import LayerAttnParams
+from flatserve.attention.metadata import AttentionMetadata
+from flatserve.attention.torch_backend import paged_attention_ref, write_kv
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need CUDA")
+
+
+def make_case(q_lens: list[int], seq_lens: list[int], hq: int, hkv: int, d: int, bs: int,
+              dtype: torch.dtype, seed: int | None = None):
+    """Random q, paged caches with shuffled (non-contiguous) block tables, and the metadata."""
+    g = torch.Generator(device="cuda").manual_seed(seed if seed is not None else random.randrange(1 << 30))
+    need = [-(-L // bs) for L in seq_lens]
+    num_blocks = sum(need) + 8
+    ids = torch.randperm(num_blocks - 1, device="cpu")[: sum(need)] + 1  # never the null block
+    table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    o = 0
+    for i, n in enumerate(need):
+        table[i, :n] = ids[o:o + n]
+        o += n
+    kc = torch.randn(num_blocks, bs, hkv, d, generator=g, device="cuda").to(dtype)
+    vc = torch.randn(num_blocks, bs, hkv, d, generator=g, device="cuda").to(dtype)
+    T = sum(q_lens)
+    q = torch.randn(T, hq, d, generator=g, device="cuda").to(dtype)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    pos = torch.cat([torch.arange(L - n, L) for n, L in zip(q_lens, seq_lens)])
+    seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    slots = table[seq_of, pos // bs].long() * bs + pos % bs
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_table=table.cuda(), slot_mapping=slots.cuda(), max_q_len=max(q_lens),
+        max_seq_len=max(seq_lens), cu_seqlens_q_host=cu, seq_lens_host=list(seq_lens))
+    return q, kc, vc, meta
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check(q_lens, seq_lens, hq=32, hkv=8, d=128, bs=16, dtype=torch.float32, window=None,
+          softcap=None, sinks=False, segments=None) -> float:
+    from flatserve.attention.kernels.unified_attention import unified_attention
+
+    q, kc, vc, meta = make_case(q_lens, seq_lens, hq, hkv, d, bs, dtype)
+    p = LayerAttnParams(d ** -0.5, window, softcap)
+    sk = torch.randn(hq, device="cuda") if sinks else None
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    unified_attention(q, kc, vc, meta, p, sk, out=out, segments=segments)
+    ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, p, sk)
+    err = rel_err(out, ref)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert err < tol, f"rel err {err:.2e} >= {tol}"
+    return err
+
+
+def _ragged(n: int, lo: int, hi: int) -> list[int]:
+    return [random.randint(lo, hi) for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_seqs,max_ctx", [(1, 1), (1, 16384), (7, 3000), (64, 2048), (256, 700),
+                                              (1024, 300)])
+def test_decode(num_seqs: int, max_ctx: int) -> None:
+    lens = _ragged(num_seqs, 1, max_ctx)
+    check([1] * num_seqs, lens)
+
+
+@pytest.mark.parametrize("segments", [2, 4, 16])
+def test_decode_split_kv(segments: int) -> None:
+    check([1] * 4, _ragged(4, 1, 9000), segments=segments)
+    check([1] * 3, _ragged(3, 1, 9000), segments=segments, sinks=True, window=700)
+
+
+def test_prefill_and_chunks_and_mixed() -> None:
+    check([300], [300])  # pure prefill
+    check([1, 64, 65, 63, 127, 129], [1, 64, 65, 63, 127, 129])  # ragged tails around tiles
+    check([200, 33], [1200, 500])  # chunks continuing a context
+    check([1] * 20 + [512, 77], _ragged(20, 1, 2000) + [4096, 600])  # mixed
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+def test_verify_runs(k: int) -> None:
+    n = 12
+    check([k + 1] * n, _ragged(n, k + 1, 3000))
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 4), (32, 4), (64, 8), (8, 1)])
+def test_gqa_ratios_and_mqa(hq: int, hkv: int) -> None:
+    check([1] * 5 + [90], _ragged(5, 1, 1500) + [400], hq=hq, hkv=hkv)
+
+
+@pytest.mark.parametrize("window", [16, 100, 5000])
+def test_sliding_window(window: int) -> None:
+    check([1] * 6 + [300, 40], _ragged(6, 1, 2500) + [300, 900], window=window)
+
+
+def test_softcap_and_sinks() -> None:
+    check([1] * 4 + [150], _ragged(4, 1, 800) + [700], softcap=30.0)
+    check([1] * 4 + [150], _ragged(4, 1, 800) + [700], sinks=True)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_head_sizes_block_sizes_dtypes(d: int, bs: int, dtype: torch.dtype) -> None:
+    check([1] * 8 + [130, 17], _ragged(8, 1, 1000) + [130, 300], hq=8, hkv=2, d=d, bs=bs, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_skips_negative_slots(dtype: torch.dtype) -> None:
+    from flatserve.attention.kernels.store_kv import store_kv
+
+    T, H, D, nb, bs = 300, 8, 128, 64, 16
+    k = torch.randn(T, H, D, device="cuda").to(dtype)
+    v = torch.randn(T, H, D, device="cuda").to(dtype)
+    slots = torch.randperm(nb * bs, device="cuda")[:T]
+    slots[::7] = -1
+    kc, vc = torch.randn(nb, bs, H, D, device="cuda").to(dtype), torch.randn(nb, bs, H, D, device="cuda").to(dtype)
+    kr, vr = kc.clone(), vc.clone()
+    store_kv(k, v, kc, vc, slots)
+    write_kv(k, v, kr, vr, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
