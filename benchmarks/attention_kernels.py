@@ -1,0 +1,137 @@
+"""Attention kernel timings on the GPU, against measured ceilings and a padded-SDPA peer.
+
+    PYTHONPATH=. python3 benchmarks/attention_kernels.py [--out docs/benchmarks/kernels.json]
+
+Per case: median time (CUDA events via triton.testing.do_bench, warm, inputs rotated over 4
+copies so L2 does not hold them), KV bytes actually needed / time, attention FLOPs / time,
+and the same case through torch SDPA on padded [S, H, L_max, D] copies (a padded-cache peer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, ".")
+from flatserve.attention.base import LayerAttnParams  # noqa: E402
+from flatserve.attention.kernels.unified_attention import unified_attention  # noqa: E402
+from tests.attention.test_kernels import make_case  # noqa: E402
+
+CASES = [  # name, q_lens, seq_lens, hq, hkv
+    ("decode 64 x 2048", [1] * 64, [2048] * 64, 32, 8),
+    ("decode 256 x 1024", [1] * 256, [1024] * 256, 32, 8),
+    ("decode 8 x 8192", [1] * 8, [8192] * 8, 32, 8),
+    ("verify 4 tok x 32 x 2048", [4] * 32, [2048] * 32, 32, 8),
+    ("prefill 1 x 2048", [2048], [2048], 32, 8),
+    ("chunk 512 @ 4096 + 63 decodes", [512] + [1] * 63, [4096] + [2048] * 63, 32, 8),
+    ("16/4: decode 64 x 128", [1] * 64, [128] * 64, 16, 4),
+    ("16/4: decode 256 x 128", [1] * 256, [128] * 256, 16, 4),
+    ("16/4: decode 1024 x 128", [1] * 1024, [128] * 1024, 16, 4),
+    ("16/4: decode 64 x 2048", [1] * 64, [2048] * 64, 16, 4),
+    ("16/4: decode 256 x 2048", [1] * 256, [2048] * 256, 16, 4),
+    ("16/4: decode 1024 x 2048", [1] * 1024, [2048] * 1024, 16, 4),
+    ("16/4: prefill 8 x 512", [512] * 8, [512] * 8, 16, 4),
+    ("16/4: mixed 32 decodes + 4 x 512", [1] * 32 + [512] * 4, [2048] * 32 + [512] * 4, 16, 4),
+]
+D, BS, DT = 128, 16, torch.bfloat16
+
+
+def ceilings() -> dict:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    a = torch.randn(8192, 8192, dtype=DT, device="cuda")
+    b = torch.randn(8192, 8192, dtype=DT, device="cuda")
+    tm = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return {"copy_GBps": 2 * x.numel() / t / 1e6, "matmul_TFLOPs": 2 * 8192**3 / tm / 1e9}
+
+
+def costs(q_lens: list[int], seq_lens: list[int], hq: int, hkv: int) -> tuple[int, int]:
+    kv_bytes = sum(seq_lens) * hkv * D * 2 * 2  # K and V, bf16, each needed token read once
+    flops = 0
+    for n, L in zip(q_lens, seq_lens):
+        for j in range(n):
+            flops += 4 * hq * D * (L - n + j + 1)  # QK^T and PV over the visible keys
+    return kv_bytes, flops
+
+
+def padded_sdpa(q_lens, seq_lens, hq, hkv, sets):
+    """The padded-cache peer: K/V copied into [S, Hkv, L_max, D] (copy not timed), masked SDPA."""
+    S, Lm, Qm = len(seq_lens), max(seq_lens), max(q_lens)
+    mask = torch.zeros(S, 1, Qm, Lm, dtype=torch.bool, device="cuda")
+    for i, (n, L) in enumerate(zip(q_lens, seq_lens)):
+        qp = torch.arange(L - n, L, device="cuda")[:, None]
+        mask[i, 0, :n, :L] = torch.arange(L, device="cuda")[None, :] <= qp
+    mask[:, :, :, 0] = True  # padded query rows see one key (no NaN)
+    padded = []
+    for q, kc, vc, meta in sets:
+        qq = torch.zeros(S, hq, Qm, D, dtype=DT, device="cuda")
+        kk = torch.zeros(S, hkv, Lm, D, dtype=DT, device="cuda")
+        vv = torch.zeros_like(kk)
+        for i, (n, L) in enumerate(zip(q_lens, seq_lens)):
+            c0 = meta.cu_seqlens_q_host[i]
+            qq[i, :, :n] = q[c0:c0 + n].transpose(0, 1)
+            blocks = meta.block_table[i, : -(-L // BS)].long()
+            kk[i, :, :L] = kc[blocks].flatten(0, 1)[:L].transpose(0, 1)
+            vv[i, :, :L] = vc[blocks].flatten(0, 1)[:L].transpose(0, 1)
+        padded.append((qq, kk, vv))
+    return padded, mask
+
+
+def bench_case(name, q_lens, seq_lens, hq, hkv, ceil) -> dict:
+    sets = [make_case(q_lens, seq_lens, hq, hkv, D, BS, DT) for _ in range(4)]
+    p = LayerAttnParams(D ** -0.5)
+    outs = [torch.empty_like(s[0]) for s in sets]
+    i = [0]
+
+    def run() -> None:
+        k = i[0] = (i[0] + 1) % 4
+        q, kc, vc, meta = sets[k]
+        unified_attention(q, kc, vc, meta, p, out=outs[k])
+
+    t = triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")  # ms
+    kv, fl = costs(q_lens, seq_lens, hq, hkv)
+    row = {"case": name, "us": t * 1e3, "kv_TBps": kv / t / 1e9, "TFLOPs": fl / t / 1e9,
+           "floor_us": max(kv / (ceil["copy_GBps"] * 1e9), fl / (ceil["matmul_TFLOPs"] * 1e12)) * 1e6}
+    try:
+        padded, mask = padded_sdpa(q_lens, seq_lens, hq, hkv, sets)
+        F = torch.nn.functional
+
+        def run_sdpa() -> None:
+            k = i[0] = (i[0] + 1) % 4
+            qq, kk, vv = padded[k]
+            F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
+
+        row["sdpa_padded_us"] = triton.testing.do_bench(run_sdpa, warmup=20, rep=200,
+                                                        return_mode="median") * 1e3
+    except torch.OutOfMemoryError:
+        row["sdpa_padded_us"] = None
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out/kernels.json")
+    a = ap.parse_args()
+    ceil = ceilings()
+    print(f"GPU: {torch.cuda.get_device_name()}  copy {ceil['copy_GBps']:.0f} GB/s (read+write)  "
+          f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
+    rows = [bench_case(*c, ceil) for c in CASES]
+    print("| case | flatserve us | KV TB/s | TFLOP/s | floor us | SDPA padded us |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        sd = f"{r['sdpa_padded_us']:.1f}" if r.get("sdpa_padded_us") else "OOM"
+        print(f"| {r['case']} | {r['us']:.1f} | {r['kv_TBps']:.2f} | {r['TFLOPs']:.1f} | "
+              f"{r['floor_us']:.1f} | {sd} |")
+    import os
+
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
