@@ -13,17 +13,9 @@ VOCAB = 512
 
 
 def _tokenizer() -> Any:
-    """A word-level tokenizer over VOCAB made-up words: enough to round-trip text offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
+    from flatserve.bench.random_ckpt import word_tokenizer
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": i for i in range(4, VOCAB)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>")
+    return word_tokenizer(VOCAB)
 
 
 def hf_config(family: str) -> Any:

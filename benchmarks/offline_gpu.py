@@ -1,0 +1,136 @@
+"""Offline GPU throughput on random-weight real-size checkpoints, with transformers' continuous
+batching (`generate_batch`, paged|sdpa) as the peer, each in its own subprocess of one run.
+
+    PYTHONPATH=. python3 benchmarks/offline_gpu.py --shape qwen3-0.6b --prompts 500 --input 512 --output 128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, ".")
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_flatserve(a: argparse.Namespace) -> dict:
+    import torch
+
+    from flatserve import LLM, SamplingParams
+
+    llm = LLM(model=a.ckpt, dtype="bfloat16", max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.input + a.output + 16,
+              enforce_eager=a.enforce_eager)
+    vocab = llm.engine.state.model.vocab_size
+    ps = prompts(a.prompts, a.input, vocab)
+    params = SamplingParams(max_tokens=a.output, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in ps[:8]], SamplingParams(max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)  # warm-up (Triton compiles)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    step = decode_step_times(llm, vocab, a)
+    return {"wall": wall, "out_tokens": n, "tok_per_s": n / wall, "req_per_s": len(ps) / wall,
+            "kv_blocks": llm.engine.state.budget.num_blocks, **step}
+
+
+def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
+    """Median decode-step time at batch 64 and 256 (context = input length), host included."""
+    import torch
+
+    from flatserve import SamplingParams
+
+    res = {}
+    for bs in (64, 256):
+        if bs > a.max_num_seqs:
+            continue
+        eng = llm.engine
+        for p in prompts(bs, a.input, vocab, seed=bs):
+            eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+            eng.step()
+        times = []
+        for _ in range(30):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        while eng.has_unfinished():
+            eng.step()
+        res[f"decode_step_ms_b{bs}"] = sorted(times)[len(times) // 2] * 1e3
+    return res
+
+
+def run_hf(a: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.bfloat16,
+                                                 attn_implementation="paged|sdpa").cuda().eval()
+    ps = prompts(a.prompts, a.input, model.config.vocab_size)
+    cfg = GenerationConfig(max_new_tokens=a.output, min_new_tokens=a.output, do_sample=False,
+                           eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=ps[:8], generation_config=cfg)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = model.generate_batch(inputs=ps, generation_config=cfg)
+    wall = time.perf_counter() - t0
+    n = sum(len(o.generated_tokens) for o in outs.values())
+    return {"wall": wall, "out_tokens": n, "tok_per_s": n / wall, "req_per_s": len(ps) / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--prompts", type=int, default=500)
+    ap.add_argument("--input", type=int, default=512)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--engines", default="flatserve,transformers")
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--out", default="bench_out/offline_gpu.json")
+    a = ap.parse_args()
+    if a.child:
+        fn = run_flatserve if a.child == "flatserve" else run_hf
+        print("RESULT " + json.dumps(fn(a)), flush=True)
+        return
+    if a.ckpt is None:
+        from flatserve.bench.random_ckpt import build
+
+        a.ckpt = str(build(a.shape, Path("/tmp/ckpt") / a.shape))
+    rows = []
+    for eng in a.engines.split(","):
+        cmd = [sys.executable, __file__, "--child", eng, "--ckpt", a.ckpt] + [
+            f"--{k}={v}" for k, v in (("prompts", a.prompts), ("input", a.input), ("output", a.output),
+                                      ("max-num-seqs", a.max_num_seqs),
+                                      ("max-num-batched-tokens", a.max_num_batched_tokens))]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+            row = json.loads(line[0][7:]) if line else {"error": r.stderr[-1500:]}
+        except subprocess.TimeoutExpired:
+            row = {"error": f"did not finish within {a.timeout} s"}
+        row["engine"] = eng
+        rows.append(row)
+        print(eng, json.dumps(row)[:1500], flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"shape": a.shape, "args": vars(a), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
