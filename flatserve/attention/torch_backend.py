@@ -37,12 +37,16 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, 
     g = hq // hkv
     qh = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # rows: (token, head in group)
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
-    q_pos = torch.arange(q_start, q_start + n, device=q.device)[:, None]  # [n, 1]
-    k_pos = torch.arange(k_start, k_start + L, device=q.device)[None, :]  # [1, L]
-    mask = k_pos <= q_pos  # [n, L]
-    if p.sliding_window is not None:
-        mask = mask & (k_pos > q_pos - p.sliding_window)
-    mask = mask.repeat_interleave(g, dim=0)  # [n*g, L]
+    mask: torch.Tensor | None = None
+    # A decode token over keys its window fully covers needs no mask (the common case).
+    if n > 1 or k_start + L - 1 > q_start or (
+            p.sliding_window is not None and k_start <= q_start - p.sliding_window):
+        q_pos = torch.arange(q_start, q_start + n, device=q.device)[:, None]  # [n, 1]
+        k_pos = torch.arange(k_start, k_start + L, device=q.device)[None, :]  # [1, L]
+        mask = k_pos <= q_pos  # [n, L]
+        if p.sliding_window is not None:
+            mask = mask & (k_pos > q_pos - p.sliding_window)
+        mask = mask.repeat_interleave(g, dim=0)  # [n*g, L]
     if p.softcap is None and sinks is None and n * g > 16:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=p.scale)
     else:  # small query groups (decode) and softcap/sinks: fp32 math (CPU bf16 matmuls this
@@ -50,7 +54,8 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, 
         s = (qh.float() @ kh.float().transpose(1, 2)) * p.scale  # [Hkv, n*g, L]
         if p.softcap is not None:
             s = torch.tanh(s / p.softcap) * p.softcap
-        s = s.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
         if sinks is not None:  # a per-head logit that takes softmax mass but has no value
             sk = sinks.float().view(1, hkv, g).expand(n, hkv, g).permute(1, 0, 2).reshape(hkv, n * g, 1)
             s = torch.cat([s, sk], dim=-1)

@@ -77,7 +77,8 @@ def test_greedy_generation_matches_transformers(tiny_checkpoint, mode: str) -> N
         kw = {"max_num_batched_tokens": 4096, "num_gpu_blocks_override": 30,
               "max_model_len": 400}  # one request fits in 29 blocks; all 8 need ~90
     llm = _llm(path, enable_prefix_caching=False, **kw)
-    prompts = _prompts(seed=random.randrange(1 << 30))
+    # Preempt mode: shorter prompts, so that many are admitted and their growth overflows the pool.
+    prompts = _prompts(seed=random.randrange(1 << 30), max_len=100 if mode == "preempt" else 300)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, o in zip(prompts, outs):
