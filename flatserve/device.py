@@ -60,6 +60,10 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def supports_cuda_graphs(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 def pin_memory(device: torch.device) -> bool:
     return device.type == "cuda"
 

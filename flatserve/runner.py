@@ -65,7 +65,8 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, backend: str) -> None:
+                 dtype: torch.dtype, device: torch.device, backend: str,
+                 graph_max_seqs: int = 0, max_model_len: int = 0) -> None:
         self.model, self.cfg, self.block_size = model, cfg, block_size
         self.device, self.dtype = device, dtype
         self.backend = get_backend(backend)
@@ -78,9 +79,21 @@ class ModelRunner:
             layer.kv_cache = (self.kv[i, 0], self.kv[i, 1])  # [num_blocks, block_size, Hkv, D]
             layer.backend = self.backend
         self.num_forward_tokens = 0  # tokens the model actually ran (prefix-cache tests read it)
+        self.graphs = None
+        if graph_max_seqs > 0 and dev.supports_cuda_graphs(device) and backend == "triton":
+            from flatserve.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, graph_max_seqs, -(-max_model_len // block_size),
+                                       max_model_len, device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
+        S = batch.meta.num_seqs
+        if (self.graphs is not None and batch.meta.is_decode_only and len(batch.sample_reqs) == S
+                and self.graphs.bucket(S) is not None):
+            self.num_forward_tokens += S
+            return self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # [S, V]
         with forward_context(batch.meta):
             hidden = self.model(batch.input_ids, batch.positions)  # [T, H]
         self.num_forward_tokens += batch.input_ids.shape[0]

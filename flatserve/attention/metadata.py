@@ -25,6 +25,7 @@ class AttentionMetadata:
     # Host copies so backends can loop/choose paths without reading device tensors.
     cu_seqlens_q_host: list[int]
     seq_lens_host: list[int]
+    segments: int | None = None  # split-KV factor; None lets the backend choose (graphs pin 1)
 
     @property
     def num_seqs(self) -> int:

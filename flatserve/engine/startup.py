@@ -112,7 +112,9 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
         gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
         num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime))
     log.info(budget.startup_line())
-    runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend)
+    graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs
+    runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend,
+                         graph_max_seqs=graphs, max_model_len=budget.max_model_len)
     state = EngineState(mcfg, src, device, dtype, backend, budget,
                         _eos_ids(mcfg, tokenizer, src), weights)
     return state, tokenizer, runner
