@@ -17,7 +17,8 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
+        self._text = ""
+        self.pending: list[int] = []
         self.stop = stop
         self.include_stop = include_stop
         self.skip = skip_special_tokens
@@ -27,14 +28,31 @@ class IncrementalDetokenizer:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
     def add(self, token_id: int) -> str | None:
-        """Append a token; returns the stop string if one now appears (text is cut before it)."""
+        """Append a token; returns the stop string if one now appears (text is cut before it).
+
+        Without stop strings decoding is deferred to the next read of the text: offline runs
+        then decode once per request instead of twice per token on the step's critical path.
+        """
+        self.pending.append(token_id)
+        return self._flush() if self.stop else None
+
+    def _flush(self) -> str | None:
+        hit = None
+        for tok in self.pending:
+            hit = self._add_one(tok)
+            if hit is not None:
+                break
+        self.pending.clear()
+        return hit
+
+    def _add_one(self, token_id: int) -> str | None:
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += new
+            self._text += new
             return self._check_stop(len(new))
         return None
 
@@ -42,17 +60,23 @@ class IncrementalDetokenizer:
         if not self.stop:
             return None
         # A stop string can straddle the boundary between old and new text.
-        start = max(0, len(self.text) - num_new - self.max_stop + 1)
+        start = max(0, len(self._text) - num_new - self.max_stop + 1)
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = self._text.find(s, start)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return None
         i, s = best
-        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        self._text = self._text[:i + len(s)] if self.include_stop else self._text[:i]
         return s
+
+    @property
+    def text(self) -> str:
+        if self.pending:
+            self._flush()
+        return self._text
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to stream: hold back what could still become the start of a stop string."""

@@ -115,7 +115,9 @@ class Engine:
         return bool(self.parents)
 
     # ---------------------------------------------------------------- the step
-    def step(self) -> list[RequestOutput]:
+    def step(self, emit_unfinished: bool = True) -> list[RequestOutput]:
+        """One engine step. `emit_unfinished=False` (offline runs) reports finished requests only,
+        so no text is built for requests still generating."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -131,7 +133,8 @@ class Engine:
             touched[parent.request_id] = parent
         results = []
         for parent in touched.values():
-            results.append(self._output(parent))
+            if emit_unfinished or parent.finished:
+                results.append(self._output(parent))
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
                 for c in parent.children:

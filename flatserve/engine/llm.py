@@ -73,7 +73,7 @@ class LLM:
         bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm, unit="req")
         try:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                for out in self.engine.step(emit_unfinished=False):
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
