@@ -10,6 +10,8 @@ to fill the GPU) the KV range is split and a second kernel merges the partial (m
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -138,6 +140,10 @@ def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD)
 
 
+# Prefill/mixed tiles for D <= 128: (BLOCK_M rows, KV TILE, warps, stages). Override for sweeps.
+PREFILL_CFG = tuple(int(x) for x in os.environ.get("FLATSERVE_PREFILL_CFG", "64,64,8,2").split(","))
+
+
 def choose_segments(meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> int:
     """Split KV only for decode-only batches that leave the GPU under-filled (host ints only)."""
     if not meta.is_decode_only:
@@ -161,9 +167,13 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     qpk = Hq // Hkv
     # Decode-only: one query token per program (BLOCK_Q = 1 unless the group is small);
     # prefill/mixed: 64 rows per tile for tl.dot on the tensor cores.
-    block_m = max(16, triton.next_power_of_2(qpk)) if meta.is_decode_only else max(64, triton.next_power_of_2(qpk))
+    tile, warps, stages = (64 if D <= 128 else 32), 4, 2
+    if meta.is_decode_only:
+        block_m = max(16, triton.next_power_of_2(qpk))
+    else:
+        block_m, tile, warps, stages = PREFILL_CFG if D <= 128 else (64, 32, 8, 2)
+        block_m = max(block_m, triton.next_power_of_2(qpk))
     block_q = block_m // qpk
-    tile = 64 if D <= 128 else 32
     if segments is None:
         segments = meta.segments
     if segments is None:
@@ -182,7 +192,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         NUM_QPK=qpk, BLOCK_SIZE=bs, HEAD=D, HEAD_P=hp, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
         SEGMENTS=segments, USE_SOFTCAP=p.softcap is not None, USE_WINDOW=p.sliding_window is not None,
         USE_SINKS=sinks is not None, IEEE=q.dtype == torch.float32,
-        num_warps=4 if block_m <= 16 else 8, num_stages=2)
+        num_warps=warps, num_stages=stages)
     if segments > 1:
         _merge_kernel[(T, Hq)](out, part_acc, part_ml, out.stride(0), out.stride(1), Hq,
                                HEAD=D, HEAD_P=hp, SEGMENTS=segments)
