@@ -81,7 +81,7 @@ def padded_sdpa(q_lens, seq_lens, hq, hkv, sets):
     return padded, mask
 
 
-def bench_case(name, q_lens, seq_lens, hq, hkv, ceil) -> dict:
+def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True) -> dict:
     sets = [make_case(q_lens, seq_lens, hq, hkv, D, BS, DT) for _ in range(4)]
     p = LayerAttnParams(D ** -0.5)
     outs = [torch.empty_like(s[0]) for s in sets]
@@ -96,6 +96,8 @@ def bench_case(name, q_lens, seq_lens, hq, hkv, ceil) -> dict:
     kv, fl = costs(q_lens, seq_lens, hq, hkv)
     row = {"case": name, "us": t * 1e3, "kv_TBps": kv / t / 1e9, "TFLOPs": fl / t / 1e9,
            "floor_us": max(kv / (ceil["copy_GBps"] * 1e9), fl / (ceil["matmul_TFLOPs"] * 1e12)) * 1e6}
+    if not peer:
+        return row
     try:
         padded, mask = padded_sdpa(q_lens, seq_lens, hq, hkv, sets)
         F = torch.nn.functional
