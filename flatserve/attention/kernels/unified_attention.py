@@ -141,7 +141,7 @@ def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_
 
 
 # Prefill/mixed tiles for D <= 128: (BLOCK_M rows, KV TILE, warps, stages). Override for sweeps.
-PREFILL_CFG = tuple(int(x) for x in os.environ.get("FLATSERVE_PREFILL_CFG", "64,64,8,2").split(","))
+PREFILL_CFG = tuple(int(x) for x in os.environ.get("FLATSERVE_PREFILL_CFG", "64,32,4,2").split(","))
 
 
 def choose_segments(meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> int:

@@ -1,0 +1,73 @@
+"""Memory on this machine with the default model: the start-up line, KV capacity, and peak RSS
+at 1, 16 and 64 concurrent requests, beside the tokens a padded [B, H, T_max, D] cache would hold.
+
+    python benchmarks/memory_cpu.py
+"""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+
+CHILD = r"""
+import json, random, sys, logging
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from flatserve import LLM, SamplingParams
+n = int(sys.argv[1])
+llm = LLM(max_model_len=4096)
+b = llm.engine.state.budget
+rng = random.Random(n)
+W = "the of and a to in is you that it he was for on are as with his they".split()
+prompts = [" ".join(rng.choice(W) for _ in range(rng.randint(10, 1500))) for _ in range(n)]
+print("READY", flush=True)
+outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True), use_tqdm=False)
+lens = [len(o.prompt_token_ids) + 64 for o in outs]
+print("RESULT " + json.dumps({"line": b.startup_line(), "capacity": b.token_capacity,
+      "flat_tokens": sum(lens), "padded_tokens": len(lens) * max(lens),
+      "budget": b.total - b.reserve, "preemptions": llm.engine.scheduler.num_preemptions}), flush=True)
+"""
+
+
+def run(n: int) -> dict:
+    import psutil
+
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(n)], stdout=subprocess.PIPE, text=True)
+    peak, done = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        ps = psutil.Process(p.pid)
+        while not done.is_set():
+            try:
+                peak = max(peak, ps.memory_info().rss)
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    out, _ = p.communicate()
+    done.set()
+    t.join()
+    r = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
+    r.update(requests=n, peak_rss=peak)
+    return r
+
+
+def main() -> None:
+    rows = [run(n) for n in (1, 16, 64)]
+    print(rows[0]["line"])
+    print("| requests | peak RSS GiB | flat KV tokens | padded KV tokens | padding waste |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['requests']} | {r['peak_rss'] / 2**30:.2f} | {r['flat_tokens']} | "
+              f"{r['padded_tokens']} | {r['padded_tokens'] / r['flat_tokens']:.2f}x |")
+    json.dump(rows, open("bench_out/memory_cpu.json", "w"), indent=1)
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    main()
