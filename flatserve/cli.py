@@ -69,6 +69,84 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_server(engine_config(a, a.model), a)
 
 
+def _bench_tokenizer(path: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    from flatserve.model.loader import gguf_sidecar, resolve_model
+
+    src = resolve_model(path)
+    return AutoTokenizer.from_pretrained(str(gguf_sidecar(src.path) if src.is_gguf else src.path))
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from flatserve.bench import datasets, plots
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.bench_cmd == "plot":
+        runs = [json.loads(Path(f).read_text()) for f in a.runs]
+        for p in plots.plot_runs(runs, out):
+            print(p)
+        return 0
+    extra = json.loads(a.extra_body) if a.extra_body else {}
+    tok = _bench_tokenizer(a.tokenizer)
+    if a.bench_cmd == "cliff":
+        from flatserve.bench.cliff import cliff
+
+        res = cliff(tok, a.base_url, a.model, [int(x) for x in a.lengths.split(",")], a.max_tokens,
+                    a.api_key, a.server_pid, True, extra)
+        (out / f"cliff-{a.label or a.model}.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res))
+        return 0
+    from flatserve.bench.serve import bench, markdown
+
+    items = datasets.build(a.dataset, tok, a.num_prompts, a.max_tokens, a.input_len, a.seed)
+    res = bench(items, [int(c) for c in a.concurrency.split(",")], a.base_url, a.model, a.endpoint,
+                a.api_key, a.server_pid, a.ignore_eos or a.dataset == "random", extra, not a.no_progress)
+    res.update(label=a.label or a.model, dataset=a.dataset, num_prompts=len(items),
+               input_tokens=[it.prompt_tokens for it in items], extra_body=extra)
+    name = f"{a.label or a.model}-{a.dataset}".replace("/", "_")
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{name}.md").write_text(markdown(res) + "\n")
+    plots.plot_runs([res], out / name)
+    print(markdown(res))
+    return 0
+
+
+def _add_bench(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmark any OpenAI-compatible server")
+    bs = b.add_subparsers(dest="bench_cmd", required=True)
+    for name in ("serve", "cliff"):
+        p = bs.add_parser(name)
+        p.add_argument("--base-url", required=True)
+        p.add_argument("--model", required=True)
+        p.add_argument("--api-key", default=None)
+        p.add_argument("--server-pid", type=int, default=None)
+        p.add_argument("--out", default="bench_out")
+        p.add_argument("--tokenizer", default=None, help="HF dir or .gguf for exact token counts")
+        p.add_argument("--label", default=None)
+        p.add_argument("--extra-body", default=None, help='JSON merged into each request, e.g. \'{"cache_prompt": false}\'')
+        p.add_argument("--max-tokens", type=int, default=256 if name == "serve" else 64)
+        p.set_defaults(func=cmd_bench)
+    s = bs.choices["serve"]
+    s.add_argument("--dataset", choices=["chat", "agent", "random"], default="chat")
+    s.add_argument("--num-prompts", type=int, default=32)
+    s.add_argument("--input-len", type=int, default=None)
+    s.add_argument("--concurrency", default="1,8,16")
+    s.add_argument("--endpoint", default="v1/completions")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-progress", action="store_true")
+    bs.choices["cliff"].add_argument("--lengths", default="3000,500,10")
+    pl = bs.add_parser("plot")
+    pl.add_argument("runs", nargs="+")
+    pl.add_argument("--out", default="bench_out/plots")
+    pl.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flatserve")
     sub = p.add_subparsers(dest="command", required=True)
@@ -90,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("FLATSERVE_API_KEY"))
     s.add_argument("--served-model-name", default=None)
     s.set_defaults(func=cmd_serve)
+    _add_bench(sub)
     return p
 
 

@@ -35,6 +35,7 @@ class BudgetRequest:
     kv_cache_memory: int | None = None
     num_blocks_override: int | None = None
     runtime: int = 0  # unified memory: the process before weights (interpreter, torch, tokenizer)
+    max_num_seqs: int | None = None  # caps the pool at what max_num_seqs full sequences can use
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,10 @@ def plan(probe: MemoryProbe, req: BudgetRequest) -> CacheBudget:
         max_len = min(req.model_max_len, capacity)
         clamped = max_len < req.model_max_len
     need_blocks = -(-max_len // req.block_size)
+    if req.max_num_seqs and req.num_blocks_override is None and req.kv_cache_memory is None:
+        # More blocks than max_num_seqs full-length sequences can hold would only ever serve the
+        # prefix cache; on shared memory that RAM is worth more to the desktop.
+        num_blocks = min(num_blocks, req.max_num_seqs * need_blocks + 1)
     budget = CacheBudget(num_blocks, req.block_size, max_len, clamped, probe.total, reserve,
                          req.weights, req.peak_activations, kv_budget, probe.unified, probe.device,
                          req.runtime)

@@ -57,6 +57,11 @@ def test_override_clamp_and_refusal() -> None:
     assert b.num_blocks == GiB // BPB
 
 
+def test_pool_capped_at_max_num_seqs_full_sequences() -> None:
+    b = plan(MemoryProbe(64 * GiB, 64 * GiB, True, "cpu"), _req(max_model_len=4096, max_num_seqs=8))
+    assert b.num_blocks == 8 * 4096 // 16 + 1 and b.kv_budget > b.num_blocks * BPB
+
+
 def test_discrete_gpu_utilization_and_busy_refusal() -> None:
     probe = MemoryProbe(80 * GiB, 79 * GiB, False, "cuda:0")
     b = plan(probe, _req(gpu_memory_utilization=0.9))

@@ -110,7 +110,8 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
         block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
         max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
         gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
-        num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime))
+        num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime,
+        max_num_seqs=cfg.max_num_seqs))
     log.info(budget.startup_line())
     graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs
     runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend,
