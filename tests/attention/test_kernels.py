@@ -49,14 +49,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check(q_lens, seq_lens, hq=32, hkv=8, d=128, bs=16, dtype=torch.float32, window=None,
-          softcap=None, sinks=False, segments=None) -> float:
-    from flatserve.attention.kernels.unified_attention import unified_attention
+          softcap=None, sinks=False, segments=None, use_map=False) -> float:
+    from flatserve.attention.kernels.unified_attention import build_seq_map, tile_config, unified_attention
 
     q, kc, vc, meta = make_case(q_lens, seq_lens, hq, hkv, d, bs, dtype)
     p = LayerAttnParams(d ** -0.5, window, softcap)
     sk = torch.randn(hq, device="cuda") if sinks else None
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    unified_attention(q, kc, vc, meta, p, sk, out=out, segments=segments)
+    seq_map = None
+    if use_map:
+        bq = tile_config(meta, hq // hkv, d)[0] // (hq // hkv)
+        seq_map = torch.tensor(build_seq_map(meta, bq), dtype=torch.int32, device="cuda")
+    unified_attention(q, kc, vc, meta, p, sk, out=out, segments=segments, seq_map=seq_map)
     ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, p, sk)
     err = rel_err(out, ref)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
@@ -79,6 +83,11 @@ def test_decode(num_seqs: int, max_ctx: int) -> None:
 def test_decode_split_kv(segments: int) -> None:
     check([1] * 4, _ragged(4, 1, 9000), segments=segments)
     check([1] * 3, _ragged(3, 1, 9000), segments=segments, sinks=True, window=700)
+
+
+def test_host_built_sequence_map() -> None:
+    check([1] * 20 + [512, 77, 3], _ragged(20, 1, 2000) + [4096, 600, 3], use_map=True)
+    check([1] * 64, _ragged(64, 1, 3000), use_map=True)
 
 
 def test_prefill_and_chunks_and_mixed() -> None:

@@ -36,17 +36,23 @@ def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, sinks_ptr, bt_ptr,
-                 seq_lens_ptr, cu_ptr, scale, softcap, window, num_seqs,
+                 seq_lens_ptr, cu_ptr, map_ptr, scale, softcap, window, num_seqs,
                  stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_cb, stride_cs, stride_ch, stride_bt,
                  NUM_QPK: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr,
                  HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                  TILE: tl.constexpr, SEGMENTS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                 USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, IEEE: tl.constexpr):
+                 USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, IEEE: tl.constexpr,
+                 USE_MAP: tl.constexpr):
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
-    s = _find_seq(cu_ptr, qb, num_seqs, BLOCK_Q)
+    if USE_MAP:  # host-built q-block -> sequence map (the measured alternative)
+        s = tl.load(map_ptr + qb)
+        if s < 0:
+            return
+    else:
+        s = _find_seq(cu_ptr, qb, num_seqs, BLOCK_Q)
     q_start = tl.load(cu_ptr + s)
     q_len = tl.load(cu_ptr + s + 1) - q_start
     qb_local = qb - (q_start // BLOCK_Q + s)
@@ -144,6 +150,26 @@ def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_
 PREFILL_CFG = tuple(int(x) for x in os.environ.get("FLATSERVE_PREFILL_CFG", "64,32,4,2").split(","))
 
 
+def tile_config(meta: AttentionMetadata, qpk: int, D: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE, warps, stages) from the batch's shape: host ints only, no device reads."""
+    if meta.is_decode_only:
+        return max(16, triton.next_power_of_2(qpk)), (64 if D <= 128 else 32), 4, 2
+    block_m, tile, warps, stages = PREFILL_CFG if D <= 128 else (64, 32, 8, 2)
+    return max(block_m, triton.next_power_of_2(qpk)), tile, warps, stages
+
+
+def build_seq_map(meta: AttentionMetadata, block_q: int) -> list[int]:
+    """Host-built q-block -> sequence map over the same over-provisioned grid (-1 = surplus)."""
+    cu = meta.cu_seqlens_q_host
+    S = meta.num_seqs
+    out = [-1] * (cu[-1] // block_q + S)
+    for i in range(S):
+        first = cu[i] // block_q + i
+        for j in range(-(-(cu[i + 1] - cu[i]) // block_q)):
+            out[first + j] = i
+    return out
+
+
 def choose_segments(meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> int:
     """Split KV only for decode-only batches that leave the GPU under-filled (host ints only)."""
     if not meta.is_decode_only:
@@ -157,7 +183,7 @@ def choose_segments(meta: AttentionMetadata, num_kv_heads: int, num_sms: int) ->
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, p: LayerAttnParams,
                       sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      segments: int | None = None) -> torch.Tensor:
+                      segments: int | None = None, seq_map: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
     T, Hq, D = q.shape
     _, bs, Hkv, Dk = k_cache.shape
@@ -167,12 +193,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     qpk = Hq // Hkv
     # Decode-only: one query token per program (BLOCK_Q = 1 unless the group is small);
     # prefill/mixed: 64 rows per tile for tl.dot on the tensor cores.
-    tile, warps, stages = (64 if D <= 128 else 32), 4, 2
-    if meta.is_decode_only:
-        block_m = max(16, triton.next_power_of_2(qpk))
-    else:
-        block_m, tile, warps, stages = PREFILL_CFG if D <= 128 else (64, 32, 8, 2)
-        block_m = max(block_m, triton.next_power_of_2(qpk))
+    block_m, tile, warps, stages = tile_config(meta, qpk, D)
     block_q = block_m // qpk
     if segments is None:
         segments = meta.segments
@@ -186,12 +207,13 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         part_ml = torch.empty(T, Hq, segments, 2, dtype=torch.float32, device=q.device)
     _attn_kernel[grid](
         out, part_acc, part_ml, q, k_cache, v_cache, sinks if sinks is not None else q,
-        meta.block_table, meta.seq_lens, meta.cu_seqlens_q, p.scale, p.softcap or 1.0,
+        meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+        seq_map if seq_map is not None else meta.seq_lens, p.scale, p.softcap or 1.0,
         p.sliding_window or 0, meta.num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         NUM_QPK=qpk, BLOCK_SIZE=bs, HEAD=D, HEAD_P=hp, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
         SEGMENTS=segments, USE_SOFTCAP=p.softcap is not None, USE_WINDOW=p.sliding_window is not None,
-        USE_SINKS=sinks is not None, IEEE=q.dtype == torch.float32,
+        USE_SINKS=sinks is not None, IEEE=q.dtype == torch.float32, USE_MAP=seq_map is not None,
         num_warps=warps, num_stages=stages)
     if segments > 1:
         _merge_kernel[(T, Hq)](out, part_acc, part_ml, out.stride(0), out.stride(1), Hq,
