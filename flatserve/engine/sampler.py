@@ -87,7 +87,7 @@ class Sampler:
                ) -> tuple[torch.Tensor, list[Logprobs | None]]:
         """logits [S, V] -> token ids [S] (int64, on device) and per-row logprobs."""
         logits = self.apply_logits_processors(logits.float(), reqs)
-        logprobs = self._logprobs(logits, st) if any(n is not None for n in st.num_logprobs) else None
+        logprobs = logits.log_softmax(-1) if any(n is not None for n in st.num_logprobs) else None
         tokens = logits.argmax(dim=-1)
         if not st.all_greedy:
             probs = self._probs(logits, st)
@@ -114,10 +114,6 @@ class Sampler:
                 g = torch.Generator(probs.device).manual_seed(seed)
                 q[i].exponential_(generator=g)
         return q
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        return logits.log_softmax(-1)
 
     @staticmethod
     def _pick_logprobs(lp: torch.Tensor | None, tokens: torch.Tensor, st: SamplingTensors

@@ -67,15 +67,14 @@ def _eos_ids(mcfg: ModelConfig, tokenizer: Any, src: ModelSource) -> frozenset[i
 
 
 def profile_peak(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
-                 dtype: torch.dtype, device: torch.device) -> int:
+                 dtype: torch.dtype, device: torch.device, backend: str) -> int:
     """Peak activation memory of the largest step the scheduler may build, sampler included."""
     T = cfg.max_num_batched_tokens
     S = min(cfg.max_num_seqs, T)
     bs = cfg.block_size
     lens = [T // S + (1 if i < T % S else 0) for i in range(S)]
     num_blocks = sum(-(-n // bs) for n in lens) + 1
-    runner = ModelRunner(model, mcfg, num_blocks, bs, dtype, device, "torch" if device.type != "cuda"
-                         else dev.default_backend(device))
+    runner = ModelRunner(model, mcfg, num_blocks, bs, dtype, device, backend)
     params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)
     out, nxt = SchedulerOutput(), 1
     for i, n in enumerate(lens):
@@ -103,7 +102,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
     model = build_model(src, hf, mcfg, dtype, device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = profile_peak(model, mcfg, cfg, dtype, device)
+    peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
     bytes_per_block = mcfg.kv_bytes_per_token * cfg.block_size * torch.empty((), dtype=dtype).element_size()
     budget = plan(probe, BudgetRequest(
         weights=weights, peak_activations=peak, bytes_per_block=bytes_per_block,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -260,4 +259,3 @@ def test_sigterm_mid_stream_ends_streams_and_exits_zero(default_model_path) -> N
     assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
     out = proc.stdout.read()
     assert "flatserve 0.1.0: model" in out and "KV " in out and f"http://127.0.0.1:{port}" in out
-    os.environ.get("CI")
