@@ -174,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the tables
     a = build_parser().parse_args(argv)
     try:
         return a.func(a)
