@@ -39,11 +39,13 @@ async def _run(items: list[Item], concurrent: bool, url: str, model: str, header
 def cliff(tok: Any, base_url: str, model: str, lengths: list[int], max_tokens: int,
           api_key: str | None = None, server_pid: int | None = None, ignore_eos: bool = True,
           extra: dict | None = None) -> dict[str, Any]:
-    items = cliff_items(tok, lengths, max_tokens)
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    res: dict[str, Any] = {"lengths": [it.prompt_tokens for it in items], "max_tokens": max_tokens}
-    for mode in ("sequential", "concurrent"):
+    res: dict[str, Any] = {"max_tokens": max_tokens}
+    for seed, mode in enumerate(("sequential", "concurrent")):
+        # Fresh text per mode (same lengths): a prefix cache must not serve the second mode.
+        items = cliff_items(tok, lengths, max_tokens, seed)
+        res["lengths"] = [it.prompt_tokens for it in items]
         with RssSampler(server_pid) as rss:
             res[f"{mode}_wall_s"] = asyncio.run(_run(items, mode == "concurrent", url, model, headers,
                                                      ignore_eos, extra or {}))
