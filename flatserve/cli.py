@@ -104,7 +104,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from flatserve.bench.serve import bench, markdown
 
     items = datasets.build(a.dataset, tok, a.num_prompts, a.max_tokens, a.input_len, a.seed)
-    res = bench(items, [int(c) for c in a.concurrency.split(",")], a.base_url, a.model, a.endpoint,
+
+    def per_level(k: int) -> list[datasets.Item]:  # fresh prompts per level (no cross-level cache hits)
+        return items if k == 0 else datasets.build(a.dataset, tok, a.num_prompts, a.max_tokens,
+                                                   a.input_len, a.seed + 1000 * k)
+
+    res = bench(per_level, [int(c) for c in a.concurrency.split(",")], a.base_url, a.model, a.endpoint,
                 a.api_key, a.server_pid, a.ignore_eos or a.dataset == "random", extra, not a.no_progress)
     res.update(label=a.label or a.model, dataset=a.dataset, num_prompts=len(items),
                input_tokens=[it.prompt_tokens for it in items], extra_body=extra)

@@ -12,6 +12,7 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -186,13 +187,16 @@ async def run_level(items: list[Item], concurrency: int, base_url: str, model: s
     return [r for r in records if r is not None], time.perf_counter() - t0
 
 
-def bench(items: list[Item], levels: list[int], base_url: str, model: str, endpoint: str = "v1/completions",
-          api_key: str | None = None, server_pid: int | None = None, ignore_eos: bool = False,
-          extra: dict | None = None, progress: bool = True) -> dict[str, Any]:
+def bench(items: list[Item] | Callable[[int], list[Item]], levels: list[int], base_url: str, model: str,
+          endpoint: str = "v1/completions", api_key: str | None = None, server_pid: int | None = None,
+          ignore_eos: bool = False, extra: dict | None = None, progress: bool = True) -> dict[str, Any]:
+    """`items` may be a function of the level's index: fresh prompts per level, so a server's
+    prefix cache cannot serve a later level from an earlier one."""
     result: dict[str, Any] = {"model": model, "base_url": base_url, "endpoint": endpoint, "levels": []}
-    for c in levels:
+    for k, c in enumerate(levels):
+        level_items = items(k) if callable(items) else items
         with RssSampler(server_pid) as rss:
-            recs, wall = asyncio.run(run_level(items, c, base_url, model, endpoint, api_key,
+            recs, wall = asyncio.run(run_level(level_items, c, base_url, model, endpoint, api_key,
                                                ignore_eos, extra or {}, progress))
         s = summarize(recs, wall)
         s.update(concurrency=c, peak_rss=rss.peak, rss=rss.samples,
