@@ -9,8 +9,8 @@ import json
 import random
 import subprocess
 import sys
-import threading
-import time
+
+sys.path.insert(0, ".")
 
 CHILD = r"""
 import json, random, sys, logging
@@ -32,26 +32,12 @@ print("RESULT " + json.dumps({"line": b.startup_line(), "capacity": b.token_capa
 
 
 def run(n: int) -> dict:
-    import psutil
+    from flatserve.bench.serve import RssSampler
 
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(n)], stdout=subprocess.PIPE, text=True)
-    peak, done = 0, threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        ps = psutil.Process(p.pid)
-        while not done.is_set():
-            try:
-                peak = max(peak, ps.memory_info().rss)
-            except psutil.NoSuchProcess:
-                return
-            time.sleep(0.05)
-
-    t = threading.Thread(target=sample)
-    t.start()
-    out, _ = p.communicate()
-    done.set()
-    t.join()
+    with RssSampler(p.pid, interval=0.05) as rss:
+        out, _ = p.communicate()
+    peak = rss.peak or 0
     r = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
     r.update(requests=n, peak_rss=peak)
     return r

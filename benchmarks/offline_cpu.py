@@ -13,7 +13,6 @@ import json
 import random
 import subprocess
 import sys
-import threading
 import time
 
 WORDS = ("the of and a to in is you that it he was for on are as with his they at be this "
@@ -98,28 +97,14 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _spawn(engine: str, level: int, args: argparse.Namespace) -> dict:
-    import psutil
-
     cmd = [sys.executable, __file__, "--child", "--engine", engine, "--level", str(level),
            "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
+    from flatserve.bench.serve import RssSampler
+
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    peak, done = 0, threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        p = psutil.Process(proc.pid)
-        while not done.is_set():
-            try:
-                peak = max(peak, p.memory_info().rss)
-            except psutil.NoSuchProcess:
-                return
-            time.sleep(0.1)
-
-    th = threading.Thread(target=sample)
-    th.start()
-    out, _ = proc.communicate()
-    done.set()
-    th.join()
+    with RssSampler(proc.pid, interval=0.1) as rss:
+        out, _ = proc.communicate()
+    peak = rss.peak or 0
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
     r = json.loads(line[7:])
     r.update(engine=engine, level=level, peak_rss=peak, tok_per_s=r["out_tokens"] / r["wall"])

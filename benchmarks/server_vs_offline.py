@@ -11,8 +11,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
-
 import httpx
 
 sys.path.insert(0, ".")
@@ -34,18 +32,13 @@ def offline(prompts: list[str], out: int) -> float:
 
 def served(prompts: list[str], tok_counts: list[int], out: int, n: int) -> dict:
     from flatserve.bench.datasets import Item
-    from flatserve.bench.serve import bench
+    from flatserve.bench.serve import bench, wait_healthy
 
     proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--port", "8177", *FLAGS],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = "http://127.0.0.1:8177"
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(url, proc)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         items = [Item(p, c, out) for p, c in zip(prompts, tok_counts)]
         bench(items[:1], [1], url, model, ignore_eos=True, progress=False)  # warm-up

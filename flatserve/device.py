@@ -80,6 +80,19 @@ def probe_memory(device: torch.device) -> MemoryProbe:
     return MemoryProbe(vm.total, vm.available, True, device.type)
 
 
+def release_freed_memory(device: torch.device) -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them, and RSS with them, otherwise)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc (macOS): nothing to trim
+
+
 def process_rss() -> int:
     import psutil
 

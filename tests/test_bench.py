@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from flatserve.bench import datasets
-from flatserve.bench.serve import bench, markdown
+from flatserve.bench.serve import bench, markdown, wait_healthy
 from tests.server.test_server import _free_port
 
 MODEL = ""  # the live server's model id, read from /v1/models
@@ -32,12 +32,7 @@ def live(default_model_path):
                              "--kv-cache-memory", "256MiB", "--max-model-len", "2048"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    wait_healthy(url, proc)
     global MODEL
     MODEL = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     yield url, proc.pid

@@ -110,11 +110,26 @@ def summarize(records: list[Record], wall: float) -> dict[str, Any]:
     return s
 
 
-class RssSampler:
-    """RSS of a process and its children, every 200 ms."""
+def wait_healthy(url: str, proc: Any = None, timeout: float = 300.0) -> None:
+    """Poll GET /health until 200; fail early if `proc` (a Popen) has exited."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url.rstrip("/") + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before becoming healthy")
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
 
-    def __init__(self, pid: int | None) -> None:
-        self.pid, self.samples = pid, []  # type: ignore[var-annotated]
+
+class RssSampler:
+    """RSS of a process and its children, every `interval` seconds (200 ms by default)."""
+
+    def __init__(self, pid: int | None, interval: float = 0.2) -> None:
+        self.pid, self.samples, self.interval = pid, [], interval  # type: ignore[var-annotated]
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
         self._th = threading.Thread(target=self._run, daemon=True)
@@ -132,7 +147,7 @@ class RssSampler:
             except psutil.Error:
                 return
             self.samples.append((time.perf_counter() - self._t0, rss))
-            time.sleep(0.2)
+            time.sleep(self.interval)
 
     def __enter__(self) -> RssSampler:
         if self.pid:

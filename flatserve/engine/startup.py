@@ -101,8 +101,12 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
     model = build_model(src, hf, mcfg, dtype, device)
+    dev.release_freed_memory(device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type != "cuda":  # what loading really left resident (allocator slack included)
+        weights = max(weights, dev.process_rss() - runtime)
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
+    dev.release_freed_memory(device)
     bytes_per_block = mcfg.kv_bytes_per_token * cfg.block_size * torch.empty((), dtype=dtype).element_size()
     budget = plan(probe, BudgetRequest(
         weights=weights, peak_activations=peak, bytes_per_block=bytes_per_block,

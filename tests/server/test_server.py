@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from flatserve.bench.serve import wait_healthy
+
 KEY = "test-key-123"
 
 
@@ -31,16 +33,8 @@ def server(default_model_path):
          "--served-model-name", "gemma-test"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    banner = []
-    for _ in range(240):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-    yield {"url": url, "proc": proc, "banner": banner}
+    wait_healthy(url, proc)
+    yield {"url": url, "proc": proc}
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
 
@@ -234,12 +228,7 @@ def test_sigterm_mid_stream_ends_streams_and_exits_zero(default_model_path) -> N
                              "--kv-cache-memory", "128MiB", "--max-model-len", "512"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    wait_healthy(url, proc)
     lines: list[str] = []
 
     def consume() -> None:
