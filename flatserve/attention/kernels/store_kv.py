@@ -41,9 +41,3 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], HEAD=D, HEAD_P=triton.next_power_of_2(D))
 
-
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    from flatserve.attention.torch_backend import write_kv
-
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
