@@ -54,6 +54,11 @@ def build(shape: str, out: Path, device: str = "cuda", std: float = 0.02, seed: 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     word_tokenizer(spec["vocab_size"]).save_pretrained(out)
+    # Free the GPU for the engine under test: its memory budget counts what others hold
+    # (an 8B build left 16 GiB behind and flatserve rightly refused to start).
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
