@@ -32,6 +32,12 @@ class EngineConfig:
     enforce_eager: bool = False
     served_model_name: str | None = None
     chat_template: str | None = None  # path to a Jinja template overriding the model's
+    # Speculative decoding: None | "ngram" (prompt lookup) | "draft" (speculative_model).
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    speculative_model: str | None = None
+    prompt_lookup_min: int = 2  # n-gram sizes tried, longest first
+    prompt_lookup_max: int = 4
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -54,6 +60,16 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be ngram or draft, got {self.speculative_method!r}")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("speculative_method 'draft' needs speculative_model (a smaller model "
+                             "with the same tokenizer)")
+        if self.speculative_method and not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

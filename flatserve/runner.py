@@ -11,7 +11,7 @@ from flatserve import device as dev
 from flatserve.attention.base import get_backend
 from flatserve.attention.metadata import AttentionMetadata, forward_context
 from flatserve.engine.request import Request
-from flatserve.engine.sampler import Logprobs, Sampler
+from flatserve.engine.sampler import Group, Logprobs, Sampler, accept_walk, expand
 from flatserve.engine.scheduler import SchedulerOutput
 from flatserve.model.config import ModelConfig
 from flatserve.model.layers import Attention
@@ -22,8 +22,12 @@ class FlatBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_index: torch.Tensor  # [S'] rows of the strip whose logits are sampled
-    sample_reqs: list[Request]
+    logits_index: torch.Tensor  # [R] rows of the strip whose logits are sampled
+    groups: list[Group]  # sampling requests with their drafts: k drafts own k + 1 rows
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(d) + 1 for _, d in self.groups)
 
 
 def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> FlatBatch:
@@ -37,8 +41,7 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
     cu = np.zeros(len(sched) + 1, np.int64)
     np.cumsum(q_lens, out=cu[1:])
     seq_lens = starts + q_lens
-    ids = np.concatenate([np.asarray(s.request.token_ids[s.start_pos:s.start_pos + s.num_tokens],
-                                     np.int64) for s in sched])
+    ids = np.concatenate([np.asarray(s.new_token_ids, np.int64) for s in sched])
     # Position of each token: its sequence's start plus its offset inside the sequence's run.
     seq_of_tok = np.repeat(np.arange(len(sched)), q_lens)
     positions = starts[seq_of_tok] + np.arange(cu[-1]) - cu[:-1][seq_of_tok]
@@ -48,6 +51,9 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
         table[i, :len(s.block_ids)] = s.block_ids
     slots = table[seq_of_tok, positions // block_size].astype(np.int64) * block_size + positions % block_size
     sample_rows = [i for i, s in enumerate(sched) if s.samples]
+    # A request verifying k drafts samples its last k + 1 rows (the last known token's, then each draft's).
+    rows = np.concatenate([np.arange(cu[i + 1] - 1 - len(sched[i].spec_token_ids), cu[i + 1])
+                           for i in sample_rows]) if sample_rows else np.zeros(0, np.int64)
     pin = dev.pin_memory(device)
 
     def put(a: np.ndarray) -> torch.Tensor:
@@ -59,8 +65,8 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
         block_table=put(table), slot_mapping=put(slots), max_q_len=int(q_lens.max()),
         max_seq_len=int(seq_lens.max()), cu_seqlens_q_host=cu.tolist(),
         seq_lens_host=seq_lens.tolist())
-    return FlatBatch(put(ids), put(positions), meta, put(cu[1:][sample_rows] - 1),
-                     [sched[i].request for i in sample_rows])
+    return FlatBatch(put(ids), put(positions), meta, put(rows.astype(np.int64)),
+                     [(sched[i].request, sched[i].spec_token_ids) for i in sample_rows])
 
 
 class ModelRunner:
@@ -90,7 +96,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
         S = batch.meta.num_seqs
-        if (self.graphs is not None and batch.meta.is_decode_only and len(batch.sample_reqs) == S
+        if (self.graphs is not None and batch.meta.is_decode_only and batch.num_rows == S
                 and self.graphs.bucket(S) is not None):
             self.num_forward_tokens += S
             return self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # [S, V]
@@ -101,11 +107,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampler: Sampler
-                ) -> tuple[list[Request], list[int], list[Logprobs | None]]:
+                ) -> tuple[list[Request], list[list[int]], list[list[Logprobs | None]]]:
+        """-> sampling requests, the tokens each emits (accepted drafts + one), their logprobs."""
         batch = build_flat_batch(out, self.block_size, self.device)
         logits = self.forward_logits(batch)
-        if not batch.sample_reqs:
+        if not batch.groups:
             return [], [], []
-        st = sampler.prepare(batch.sample_reqs, self.device)
-        tokens, logprobs = sampler.sample(logits, batch.sample_reqs, st)
-        return batch.sample_reqs, tokens.tolist(), logprobs  # the step's one device->host copy
+        rows = expand(batch.groups)
+        st = sampler.prepare(rows, self.device)
+        tokens, accepted, logprobs = sampler.sample(logits, rows, st)
+        if accepted is None:  # the step's one device->host copy
+            return [r for r, _ in batch.groups], [[t] for t in tokens.tolist()], [[lp] for lp in logprobs]
+        emitted, acc = torch.stack([tokens, accepted.long()]).tolist()
+        toks = accept_walk(batch.groups, emitted, acc)
+        lps, r = [], 0
+        for (_, drafts), t in zip(batch.groups, toks):
+            lps.append(logprobs[r:r + len(t)])
+            r += len(drafts) + 1
+        return [r for r, _ in batch.groups], toks, lps

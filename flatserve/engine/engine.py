@@ -15,6 +15,7 @@ from flatserve.engine.sampler import Logprobs, Sampler
 from flatserve.engine.sampling_params import SamplingParams
 from flatserve.engine.scheduler import Scheduler, SchedulerConfig
 from flatserve.engine.startup import EngineState, start_up
+from flatserve.spec import Proposer, SpecStats
 
 log = logging.getLogger("flatserve")
 
@@ -43,13 +44,15 @@ class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.state: EngineState
-        self.state, self.tokenizer, self.runner = start_up(cfg)
+        self.state, self.tokenizer, self.runner, draft_runner = start_up(cfg)
         s = self.state
         self.kv = KVCacheManager(s.budget.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.spec = SpecStats()
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, s.max_model_len),
             self.kv, s.eos_token_ids)
         self.sampler = Sampler(s.model.vocab_size, s.eos_token_ids, cfg.seed)
+        self.proposer = make_proposer(cfg, self.kv, draft_runner, s.max_model_len, self.sampler)
         self.parents: dict[str, _Parent] = {}
         self.children: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
@@ -121,16 +124,27 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        out_spec = {s.request.request_id: len(s.spec_token_ids) for s in out.scheduled if s.spec_token_ids}
         reqs, tokens, logprobs = self.runner.execute(out, self.sampler)
-        self.scheduler.update(out, {r.request_id: [t] for r, t in zip(reqs, tokens)})
+        before = {r.request_id: r.num_tokens for r in reqs}
+        self.scheduler.update(out, {r.request_id: t for r, t in zip(reqs, tokens)})
         touched: dict[str, _Parent] = {}
-        for req, tok, lp in zip(reqs, tokens, logprobs):
+        for req, toks, lps in zip(reqs, tokens, logprobs):
             entry = self.children.get(req.request_id)
             if entry is None:
                 continue
             parent, child = entry
-            self._absorb(child, tok, lp)
+            self.spec.record(len(toks), out_spec.get(req.request_id, 0))
+            # The scheduler appended tokens up to an eos/length stop; a stop string may cut earlier.
+            start = before[req.request_id]
+            for i, (tok, lp) in enumerate(zip(toks[:req.num_tokens - start], lps)):
+                if self._absorb(child, tok, lp) and i + 1 < req.num_tokens - start:
+                    del req.token_ids[start + i + 1:]
+                    break
             touched[parent.request_id] = parent
+        if self.proposer is not None:
+            self.proposer.propose([r for r in self.scheduler.running
+                                   if r.num_computed_tokens == r.num_tokens - 1])
         results = []
         for parent in touched.values():
             if emit_unfinished or parent.finished:
@@ -141,7 +155,8 @@ class Engine:
                     self.children.pop(c.req.request_id, None)
         return results
 
-    def _absorb(self, child: _Child, tok: int, lp: Logprobs | None) -> None:
+    def _absorb(self, child: _Child, tok: int, lp: Logprobs | None) -> bool:
+        """Take one output token; True when a stop string ended the request on it."""
         self.num_generation_tokens += 1
         if lp is not None and child.logprobs is not None:
             child.cumulative_logprob += lp[0][1]
@@ -153,6 +168,8 @@ class Engine:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
             else:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            return True
+        return False
 
     def _logprob_dict(self, lp: Logprobs) -> dict[int, Logprob]:
         (tok, val), top = lp[0], lp[1:]
@@ -184,7 +201,24 @@ class Engine:
                 "preemptions": self.scheduler.num_preemptions,
                 "prompt_tokens": self.num_prompt_tokens,
                 "generation_tokens": self.num_generation_tokens,
-                "prefix_cache_hits": self.kv.hit_tokens, "prefix_cache_queries": self.kv.query_tokens}
+                "prefix_cache_hits": self.kv.hit_tokens, "prefix_cache_queries": self.kv.query_tokens,
+                "spec_draft_tokens": self.spec.num_draft_tokens,
+                "spec_accepted_tokens": self.spec.num_accepted_tokens,
+                "spec_verify_steps": self.spec.num_groups}
+
+
+def make_proposer(cfg: EngineConfig, kv: KVCacheManager, draft_runner: Any,
+                  max_model_len: int, sampler: Sampler) -> Proposer | None:
+    k = cfg.num_speculative_tokens
+    if cfg.speculative_method == "ngram":
+        from flatserve.spec.ngram import NgramProposer
+
+        return NgramProposer(k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, max_model_len)
+    if cfg.speculative_method == "draft":
+        from flatserve.spec.draft import DraftProposer
+
+        return DraftProposer(draft_runner, kv, k, max_model_len, cfg.max_num_batched_tokens, sampler)
+    return None
 
 
 def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:

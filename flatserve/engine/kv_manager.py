@@ -176,6 +176,14 @@ class KVCacheManager:
             if self.pool.blocks[blocks[i]].block_hash is None:
                 self.pool.set_hash(blocks[i], hashes[i])
 
+    def trim(self, req: Request) -> None:
+        """Give back blocks past the request's known tokens (rejected drafts' slots)."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = -(-req.num_tokens // self.block_size)
+        if blocks and len(blocks) > keep:
+            self.pool.release(blocks[keep:])  # past the known tokens: never hashed, never shared
+            del blocks[keep:]
+
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, None)
         self.req_hashes.pop(request_id, None)

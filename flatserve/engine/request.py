@@ -41,6 +41,10 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    # Speculative decoding: tokens proposed for the next step (not yet part of `token_ids`),
+    # and how many tokens the draft model's own KV holds (draft-model proposer only).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_computed: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -2,6 +2,13 @@
 
 Order (as vLLM): logit_bias, min_tokens mask, penalties -> (logprobs of these processed logits) ->
 greedy argmax | temperature, min-p, top-k, top-p, exponential-race draw.
+
+Rows, not requests: a request verifying k draft tokens owns k + 1 consecutive rows, row j seeing
+the request's outputs plus drafts[:j] (so penalties, min_tokens and seeds match what plain
+decoding would have seen there). Row j accepts draft j by rejection sampling against a point-mass
+proposal: accept with probability p_j(draft), else draw from p_j with the draft removed and
+renormalised. Marginally that is exactly p_j (P(x) = p(d)[x=d] + (1-p(d)) p(x)/(1-p(d))[x!=d]),
+so speculation never changes the output distribution; greedy rows accept iff draft == argmax.
 """
 from __future__ import annotations
 
@@ -15,6 +22,45 @@ Logprobs = list[tuple[int, float]]  # (token id, logprob): the sampled token fir
 
 
 @dataclass(slots=True)
+class SampleRow:
+    """One logits row: `req` after it has (tentatively) emitted `drafts`."""
+
+    req: Request
+    drafts: list[int]  # draft tokens before this row
+    draft: int  # the draft token this row verifies; -1 on the request's last (bonus) row
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.req.num_output_tokens + len(self.drafts)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.req.output_token_ids + self.drafts
+
+
+Group = tuple[Request, list[int]]  # a sampling request and the drafts it verifies this step
+
+
+def expand(groups: list[Group]) -> list[SampleRow]:
+    return [SampleRow(req, drafts[:j], drafts[j] if j < len(drafts) else -1)
+            for req, drafts in groups for j in range(len(drafts) + 1)]
+
+
+def accept_walk(groups: list[Group], emitted: list[int], accepted: list[int]) -> list[list[int]]:
+    """Per group: accepted drafts up to the first rejection, then that row's own token."""
+    out, r = [], 0
+    for _, drafts in groups:
+        k, toks = len(drafts), []
+        for j in range(k + 1):
+            toks.append(emitted[r + j])
+            if j == k or not accepted[r + j]:
+                break
+        out.append(toks)
+        r += k + 1
+    return out
+
+
+@dataclass(slots=True)
 class SamplingTensors:
     greedy: torch.Tensor  # [S] bool
     all_greedy: bool
@@ -24,6 +70,7 @@ class SamplingTensors:
     min_p: torch.Tensor | None  # [S]
     seeds: list[int | None]  # per row; None -> the engine's generator
     num_logprobs: list[int | None]
+    draft: torch.Tensor | None = None  # [R] int64, -1 on bonus rows; None without drafts
 
 
 def _row_seed(seed: int, position: int) -> int:
@@ -38,8 +85,8 @@ class Sampler:
         self.generator: torch.Generator | None = None
         self.seed = seed
 
-    def prepare(self, reqs: list[Request], device: torch.device) -> SamplingTensors:
-        ps = [r.params for r in reqs]
+    def prepare(self, rows: list[SampleRow], device: torch.device) -> SamplingTensors:
+        ps = [r.req.params for r in rows]
         V = self.vocab_size
 
         def t(vals: list, dtype: torch.dtype) -> torch.Tensor:
@@ -53,14 +100,15 @@ class Sampler:
             top_p=t([p.top_p for p in ps], torch.float32) if any(p.top_p < 1 for p in ps) else None,
             min_p=t([p.min_p for p in ps], torch.float32) if any(p.min_p > 0 for p in ps) else None,
             seeds=[None if p.seed is None else _row_seed(p.seed, r.num_output_tokens)
-                   for p, r in zip(ps, reqs)],
+                   for p, r in zip(ps, rows)],
             num_logprobs=[p.logprobs for p in ps],
+            draft=t([r.draft for r in rows], torch.int64) if any(r.draft >= 0 for r in rows) else None,
         )
 
-    def apply_logits_processors(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Bias, min_tokens and penalties, in place on fp32 logits [S, V]."""
-        for i, r in enumerate(reqs):
-            p = r.params
+    def apply_logits_processors(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Bias, min_tokens and penalties, in place on fp32 logits [R, V]."""
+        for i, r in enumerate(rows):
+            p = r.req.params
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), device=logits.device)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
@@ -72,28 +120,40 @@ class Sampler:
                 self._penalise(logits[i], r)
         return logits
 
-    def _penalise(self, row: torch.Tensor, r: Request) -> None:
-        p = r.params
+    def _penalise(self, row: torch.Tensor, r: SampleRow) -> None:
+        p = r.req.params
         out = torch.tensor(r.output_token_ids, dtype=torch.int64, device=row.device)
         counts = torch.zeros_like(row).index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[torch.tensor(r.prompt_token_ids, device=row.device)] = True
+            seen[torch.tensor(r.req.prompt_token_ids, device=row.device)] = True
             pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, pen, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request], st: SamplingTensors
-               ) -> tuple[torch.Tensor, list[Logprobs | None]]:
-        """logits [S, V] -> token ids [S] (int64, on device) and per-row logprobs."""
-        logits = self.apply_logits_processors(logits.float(), reqs)
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], st: SamplingTensors
+               ) -> tuple[torch.Tensor, torch.Tensor | None, list[Logprobs | None]]:
+        """logits [R, V] -> (emitted token per row [R] int64, accepted-draft flags [R] bool or
+        None without drafts, per-row logprobs of the emitted tokens); all on device."""
+        logits = self.apply_logits_processors(logits.float(), rows)
         logprobs = logits.log_softmax(-1) if any(n is not None for n in st.num_logprobs) else None
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)  # [R]
+        d = st.draft
+        accepted = None if d is None else tokens == d  # greedy acceptance
         if not st.all_greedy:
-            probs = self._probs(logits, st)
-            drawn = (probs / self._exponential(probs, st)).argmax(dim=-1)
+            probs = self._probs(logits, st)  # [R, V]
+            noise, u = self._noise(probs, st)
+            if d is not None:
+                has = d >= 0
+                dd = d.clamp(min=0)[:, None]  # [R, 1]
+                p_d = probs.gather(1, dd)[:, 0] * has
+                probs = probs.scatter(1, dd, torch.where(has[:, None], 0.0, probs.gather(1, dd)))
+                accepted = torch.where(st.greedy, accepted, u < p_d)
+            drawn = (probs / noise).argmax(dim=-1)  # exponential race = a draw from probs
             tokens = torch.where(st.greedy, tokens, drawn)
-        return tokens, self._pick_logprobs(logprobs, tokens, st)
+        if accepted is not None:
+            tokens = torch.where(accepted, d, tokens)
+        return tokens, accepted, self._pick_logprobs(logprobs, tokens, st)
 
     def _probs(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         logits = logits / st.temperature[:, None]
@@ -105,15 +165,18 @@ class Sampler:
             logits = top_k_top_p(logits, st.top_k, st.top_p)
         return logits.softmax(-1)
 
-    def _exponential(self, probs: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    def _noise(self, probs: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exponential race noise [R, V] and acceptance uniforms [R]; seeded rows draw their own."""
         if self.generator is None or self.generator.device != probs.device:
             self.generator = torch.Generator(probs.device).manual_seed(self.seed)
         q = torch.empty_like(probs).exponential_(generator=self.generator)
+        u = torch.rand(probs.shape[0], device=probs.device, generator=self.generator)
         for i, seed in enumerate(st.seeds):
             if seed is not None:
                 g = torch.Generator(probs.device).manual_seed(seed)
                 q[i].exponential_(generator=g)
-        return q
+                u[i] = torch.rand((), device=probs.device, generator=g)
+        return q, u
 
     @staticmethod
     def _pick_logprobs(lp: torch.Tensor | None, tokens: torch.Tensor, st: SamplingTensors

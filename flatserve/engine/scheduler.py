@@ -25,13 +25,24 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     start_pos: int  # == num_computed_tokens before this step
-    num_tokens: int  # new tokens this step: request.token_ids[start_pos:start_pos+num_tokens]
+    num_tokens: int  # new tokens this step, speculative ones included
     block_ids: list[int]
+    # Draft tokens verified this step; they follow the request's known tokens on the flat axis,
+    # so a request with k drafts contributes k + 1 query tokens and k + 1 sampled rows.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the last known token, so its logits give the next one."""
-        return self.start_pos + self.num_tokens == self.request.num_tokens
+        return self.start_pos + self.num_tokens == self.request.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        toks = self.request.token_ids
+        end = self.start_pos + self.num_tokens
+        if end <= len(toks):
+            return toks[self.start_pos:end]
+        return (toks + self.spec_token_ids)[self.start_pos:end]
 
 
 @dataclass(slots=True)
@@ -94,7 +105,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            known = req.num_tokens - req.num_computed_tokens
+            n = min(known + len(req.spec_token_ids), budget)
             blocks = self.kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self.running.pop()  # newest running request: FCFS keeps the oldest
@@ -102,7 +114,9 @@ class Scheduler:
                 if victim is req:
                     return budget
                 blocks = self.kv.allocate_slots(req, n)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, blocks))
+            # Drafts only ride behind the whole known remainder; the budget may cut some off.
+            spec = req.spec_token_ids[:max(0, n - known)]
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, blocks, spec))
             budget -= n
             i += 1
         return budget
@@ -128,6 +142,8 @@ class Scheduler:
         # Recompute, not swap: the blocks go back to the pool (cached blocks may survive).
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.num_draft_computed = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -136,20 +152,30 @@ class Scheduler:
 
     # ---------------------------------------------------------------- after the forward
     def update(self, out: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply token-level stops."""
+        """Advance computed counts, append sampled tokens, apply token-level stops.
+
+        With k drafts, `new_tokens` holds the a accepted drafts plus one token from the target;
+        the k - a rejected drafts' KV is rolled back: the computed count skips them and blocks
+        past the known tokens go back to the pool.
+        """
         finished: list[Request] = []
         for s in out.scheduled:
             req = s.request
             if req.status.finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_tokens
-            for tok in new_tokens.get(req.request_id, ()):
+            toks = new_tokens.get(req.request_id, ())
+            rejected = len(s.spec_token_ids) - (len(toks) - 1) if toks else 0
+            req.num_computed_tokens += s.num_tokens - rejected
+            req.spec_token_ids = []
+            for tok in toks:
                 req.token_ids.append(tok)
                 status = self._check_stop(req, tok)
                 if status is not None:
                     self._finish(req, status)
                     finished.append(req)
                     break
+            if s.spec_token_ids and not req.status.finished:
+                self.kv.trim(req)
         return finished
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:

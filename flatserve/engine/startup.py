@@ -77,10 +77,15 @@ def profile_peak(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
     runner = ModelRunner(model, mcfg, num_blocks, bs, dtype, device, backend)
     params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)
     out, nxt = SchedulerOutput(), 1
+    # Speculation: each request verifies k drafts, so k + 1 sampled rows each (the sampler's
+    # [rows, vocab] temporaries grow with them).
+    k = cfg.num_speculative_tokens if cfg.speculative_method else 0
     for i, n in enumerate(lens):
-        req = Request(f"profile-{i}", [(7 * j) % mcfg.vocab_size for j in range(n)], params, 1)
+        d = min(k, n - 1)
+        toks = [(7 * j) % mcfg.vocab_size for j in range(n)]
+        req = Request(f"profile-{i}", toks[:n - d], params, 1)
         nb = -(-n // bs)
-        out.scheduled.append(ScheduledRequest(req, 0, n, list(range(nxt, nxt + nb))))
+        out.scheduled.append(ScheduledRequest(req, 0, n, list(range(nxt, nxt + nb)), toks[n - d:]))
         nxt += nb
     sampler = Sampler(mcfg.vocab_size, frozenset(), 0)
     with dev.PeakTracker(device) as tracker:
@@ -89,7 +94,8 @@ def profile_peak(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
     return max(tracker.peak, 0)
 
 
-def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
+def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRunner | None]:
+    """-> state, tokenizer, target runner, draft runner (speculative_method 'draft' only)."""
     device = dev.select_device(cfg.device)
     backend = cfg.attention_backend or dev.default_backend(device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
@@ -100,16 +106,16 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
-    model = build_model(src, hf, mcfg, dtype, device)
-    dev.release_freed_memory(device)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if device.type != "cuda":  # what loading really left resident (allocator slack included)
-        weights = max(weights, dev.process_rss() - runtime)
+    model, weights = _load_weights(src, hf, mcfg, dtype, device)
+    draft = _load_draft(cfg, mcfg, dtype, device)
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
     dev.release_freed_memory(device)
-    bytes_per_block = mcfg.kv_bytes_per_token * cfg.block_size * torch.empty((), dtype=dtype).element_size()
+    elt = torch.empty((), dtype=dtype).element_size()
+    # One block id addresses a target block and (with a draft model) a draft block: budget both.
+    per_token = mcfg.kv_bytes_per_token + (draft[1].kv_bytes_per_token if draft else 0)
     budget = plan(probe, BudgetRequest(
-        weights=weights, peak_activations=peak, bytes_per_block=bytes_per_block,
+        weights=weights + (draft[2] if draft else 0), peak_activations=peak,
+        bytes_per_block=per_token * cfg.block_size * elt,
         block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
         max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
         gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
@@ -119,9 +125,37 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner]:
     graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs
     runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend,
                          graph_max_seqs=graphs, max_model_len=budget.max_model_len)
+    draft_runner = None if draft is None else ModelRunner(
+        draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend)
     state = EngineState(mcfg, src, device, dtype, backend, budget,
                         _eos_ids(mcfg, tokenizer, src), weights)
-    return state, tokenizer, runner
+    return state, tokenizer, runner, draft_runner
+
+
+def _load_weights(src: ModelSource, hf: Any, mcfg: ModelConfig, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.nn.Module, int]:
+    before = dev.process_rss() if device.type != "cuda" else 0
+    model = build_model(src, hf, mcfg, dtype, device)
+    dev.release_freed_memory(device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type != "cuda":  # what loading really left resident (allocator slack included)
+        weights = max(weights, dev.process_rss() - before)
+    return model, weights
+
+
+def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device
+                ) -> tuple[torch.nn.Module, ModelConfig, int] | None:
+    if cfg.speculative_method != "draft":
+        return None
+    src = resolve_model(cfg.speculative_model)
+    hf = load_hf_config(src)
+    get_model_class((getattr(hf, "architectures", None) or [""])[0])
+    mcfg = ModelConfig.from_hf(hf)
+    if mcfg.vocab_size > target.vocab_size:
+        raise ValueError(f"draft model vocabulary ({mcfg.vocab_size}) is larger than the target's "
+                         f"({target.vocab_size}): the two must share a tokenizer")
+    model, weights = _load_weights(src, hf, mcfg, dtype, device)
+    return model, mcfg, weights
 
 
 def _os_reserve(cfg: EngineConfig) -> float | None:

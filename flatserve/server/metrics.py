@@ -18,6 +18,8 @@ class Metrics:
         self.gen_tokens = Counter("flatserve_generation_tokens", "Tokens generated", registry=r)
         self.prefix_hits = Counter("flatserve_prefix_cache_hits", "Prompt tokens served from the prefix cache (tokens)", registry=r)
         self.prefix_queries = Counter("flatserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (tokens)", registry=r)
+        self.spec_drafts = Counter("flatserve_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted = Counter("flatserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.ttft = Histogram("flatserve_time_to_first_token_seconds", "TTFT", buckets=_LAT, registry=r)
         self.itl = Histogram("flatserve_inter_token_latency_seconds", "ITL", buckets=_LAT, registry=r)
         self.e2e = Histogram("flatserve_e2e_request_latency_seconds", "End-to-end latency", buckets=_LAT, registry=r)
@@ -36,7 +38,8 @@ class Metrics:
         self.kv_total.set(stats["kv_blocks_total"])
         for key, c in (("preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
                        ("generation_tokens", self.gen_tokens), ("prefix_cache_hits", self.prefix_hits),
-                       ("prefix_cache_queries", self.prefix_queries)):
+                       ("prefix_cache_queries", self.prefix_queries),
+                       ("spec_draft_tokens", self.spec_drafts), ("spec_accepted_tokens", self.spec_accepted)):
             d = stats[key] - self._last.get(key, 0)
             if d > 0:
                 c.inc(d)

@@ -6,7 +6,7 @@ import math
 import torch
 
 from flatserve.engine.request import Request
-from flatserve.engine.sampler import Sampler, top_k_top_p
+from flatserve.engine.sampler import Sampler, expand, top_k_top_p
 from flatserve.engine.sampling_params import SamplingParams
 
 
@@ -18,7 +18,10 @@ def _req(params: SamplingParams, prompt=(1, 2), out=()) -> Request:
 
 def _sample(logits: torch.Tensor, reqs: list[Request], seed: int = 0):
     s = Sampler(logits.shape[-1], frozenset({0}), seed)
-    return s.sample(logits.clone(), reqs, s.prepare(reqs, torch.device("cpu")))
+    rows = expand([(r, []) for r in reqs])
+    toks, accepted, lps = s.sample(logits.clone(), rows, s.prepare(rows, torch.device("cpu")))
+    assert accepted is None  # no drafts, no acceptance flags
+    return toks, lps
 
 
 def test_top_k_top_p_masks_exact() -> None:
@@ -73,7 +76,7 @@ def test_penalties_match_hand_computation() -> None:
                        presence_penalty=0.25)
     r = _req(p, prompt=(1,), out=(3, 3, 2))
     s = Sampler(5, frozenset(), 0)
-    out = s.apply_logits_processors(logits.clone(), [r])[0]
+    out = s.apply_logits_processors(logits.clone(), expand([(r, [])]))[0]
     # token 0: unseen -> 2.0; token 1: in prompt, negative -> -1*2 = -2.0
     # token 2: once in output: 0.5/2 - 0.5*1 - 0.25 = -0.5; token 3: twice: 3/2 - 1.0 - 0.25 = 0.25
     assert torch.allclose(out, torch.tensor([2.0, -2.0, -0.5, 0.25, -2.0]))

@@ -114,3 +114,39 @@ def test_random_traffic_budget_never_exceeded_and_no_leak(seed: int, budget: int
         _step(s)
     assert not s.has_unfinished(), "requests starved"
     assert s.kv.num_used_blocks == 0
+
+
+def test_drafts_count_in_the_budget_and_rejections_roll_back() -> None:
+    s = _sched(budget=6)
+    s.add_request(_req("a", 6, max_tokens=20))
+    _step(s)  # prompt done: 7 known tokens, 6 computed, blocks cover 7 tokens (2 of 4)
+    req = s.requests["a"]
+    req.spec_token_ids = [10, 11, 12, 13, 14, 15, 16]  # 1 known + 7 drafts > the budget of 6
+    out = s.schedule()
+    (x,) = out.scheduled
+    assert x.num_tokens == 6 and x.spec_token_ids == [10, 11, 12, 13, 14]  # the budget cuts drafts
+    assert x.new_token_ids == [5, 10, 11, 12, 13, 14] and x.samples
+    assert len(s.kv.block_ids("a")) == 3  # slots for 12 tokens
+    s.update(out, {"a": [10, 11, 99]})  # 2 drafts accepted, then the target's own token
+    assert req.output_token_ids == [5, 10, 11, 99] and req.spec_token_ids == []
+    assert req.num_computed_tokens == 9 == req.num_tokens - 1  # the 3 rejected drafts' KV is gone
+    assert len(s.kv.block_ids("a")) == 3  # 10 tokens need 3 blocks: nothing else held
+    req.spec_token_ids = [1]
+    out = s.schedule()
+    s.update(out, {"a": [2]})  # the draft rejected at once
+    assert req.num_computed_tokens == 10 and len(s.kv.block_ids("a")) == 3
+    s.kv.check_invariants()
+
+
+def test_rejected_drafts_give_back_their_blocks() -> None:
+    s = _sched(blocks=20, budget=32)
+    s.add_request(_req("a", 3, max_tokens=30))
+    _step(s)  # 4 known tokens: 1 block
+    req = s.requests["a"]
+    req.spec_token_ids = list(range(20, 30))  # 10 drafts: slots for 14 tokens = 4 blocks
+    out = s.schedule()
+    assert len(s.kv.block_ids("a")) == 4
+    free_before = s.kv.num_free_blocks
+    s.update(out, {"a": [7]})  # all rejected: 5 known tokens need 2 blocks
+    assert len(s.kv.block_ids("a")) == 2 and s.kv.num_free_blocks == free_before + 2
+    s.kv.check_invariants()
