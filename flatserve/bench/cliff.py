@@ -23,7 +23,8 @@ def cliff_items(tok: Any, lengths: list[int], max_tokens: int, seed: int = 0) ->
 
 async def _run(items: list[Item], concurrent: bool, url: str, model: str, headers: dict,
                ignore_eos: bool, extra: dict) -> float:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1200.0)) as client:
+    limits = httpx.Limits(max_keepalive_connections=0)  # see serve.py: no reused connections
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1200.0), limits=limits) as client:
         t0 = time.perf_counter()
         bodies = [_body(it, model, "v1/completions", ignore_eos, extra) for it in items]
         if concurrent:

@@ -178,7 +178,10 @@ async def run_level(items: list[Item], concurrency: int, base_url: str, model: s
     t0 = time.perf_counter()
     out_tokens = errors = 0
     convs: dict[int, asyncio.Lock] = {}
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # No keep-alive: llama-server closes the connection after each streamed reply, and a reused
+    # half-closed socket fails the next request before it is sent. One connection per request
+    # for every engine keeps the comparison even.
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
 
         async def go(i: int, it: Item) -> None:

@@ -35,6 +35,52 @@ def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr, kc_ptr, vc_ptr,
+          scale, softcap, window, stride_cb, stride_cs, stride_ch, stride_bt,
+          BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+          USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr):
+    """One KV tile of online softmax. MASK=False: every key is visible to every row."""
+    n = j * TILE + tl.arange(0, TILE)
+    n_ok = n < seq_len
+    if MASK:
+        blk = tl.load(bt_ptr + s * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_ptr + s * stride_bt + n // BLOCK_SIZE).to(tl.int64)
+    off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+    if MASK:
+        kt = tl.load(kc_ptr + off[None, :] + d[:, None], mask=d_ok[:, None] & n_ok[None, :],
+                     other=0.0)  # [HEAD_P, TILE]
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [TILE, HEAD_P]
+    else:
+        kt = tl.load(kc_ptr + off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    if IEEE:
+        sc = tl.dot(q, kt, input_precision="ieee") * scale
+    else:
+        sc = tl.dot(q.to(kt.dtype), kt) * scale  # [BLOCK_M, TILE]
+    if USE_SOFTCAP:
+        sc = softcap * (2.0 * tl.sigmoid(2.0 * sc / softcap) - 1.0)  # softcap * tanh(sc / softcap)
+    if MASK:
+        ok = (n[None, :] <= q_pos[:, None]) & n_ok[None, :] & row_ok[:, None]
+        if USE_WINDOW:
+            ok = ok & (n[None, :] > q_pos[:, None] - window)
+        sc = tl.where(ok, sc, float("-inf"))
+    m_new = tl.maximum(M, tl.max(sc, 1))
+    if MASK:
+        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing visible yet
+    p = tl.exp(sc - m_new[:, None])
+    alpha = tl.exp(M - m_new)
+    L = L * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc += tl.dot(p, v, input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return m_new, L, acc
+
+
+@triton.jit
 def _attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, sinks_ptr, bt_ptr,
                  seq_lens_ptr, cu_ptr, map_ptr, scale, softcap, window, num_seqs,
                  stride_qt, stride_qh, stride_ot, stride_oh,
@@ -79,44 +125,28 @@ def _attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, sink
     L = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
 
+    first_pos = ctx + qb_local * BLOCK_Q
     last_pos = ctx + tl.minimum(q_len, (qb_local + 1) * BLOCK_Q) - 1
     hi_tile = last_pos // TILE + 1
     lo_tile = 0
+    # Tiles wholly visible to every row of this program (below the causal diagonal, inside the
+    # window) need no mask: only the diagonal tiles pay for it (FA-2's split).
+    full_end = (first_pos + 1) // TILE
     if USE_WINDOW:
-        lo_tile = tl.maximum(0, ctx + qb_local * BLOCK_Q - window + 1) // TILE
+        lo_tile = tl.maximum(0, first_pos - window + 1) // TILE
+        full_end = lo_tile  # window edges move per row: mask every tile (Gemma's local layers)
     per_seg = tl.cdiv(hi_tile - lo_tile, SEGMENTS)
     t0 = lo_tile + seg * per_seg
     t1 = tl.minimum(t0 + per_seg, hi_tile)
-    for j in range(t0, t1):
-        n = j * TILE + tl.arange(0, TILE)
-        n_ok = n < seq_len
-        blk = tl.load(bt_ptr + s * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kt = tl.load(kc_ptr + off[None, :] + d[:, None], mask=d_ok[:, None] & n_ok[None, :],
-                     other=0.0)  # [HEAD_P, TILE]
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                    other=0.0)  # [TILE, HEAD_P]
-        if IEEE:
-            sc = tl.dot(q, kt, input_precision="ieee") * scale
-        else:
-            sc = tl.dot(q.to(kt.dtype), kt) * scale  # [BLOCK_M, TILE]
-        if USE_SOFTCAP:
-            sc = softcap * (2.0 * tl.sigmoid(2.0 * sc / softcap) - 1.0)  # softcap * tanh(sc / softcap)
-        ok = (n[None, :] <= q_pos[:, None]) & n_ok[None, :] & row_ok[:, None]
-        if USE_WINDOW:
-            ok = ok & (n[None, :] > q_pos[:, None] - window)
-        sc = tl.where(ok, sc, float("-inf"))
-        m_new = tl.maximum(M, tl.max(sc, 1))
-        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing visible yet
-        p = tl.exp(sc - m_new[:, None])
-        alpha = tl.exp(M - m_new)
-        L = L * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc += tl.dot(p, v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        M = m_new
+    mid = tl.maximum(t0, tl.minimum(full_end, t1))
+    for j in range(t0, mid):
+        M, L, acc = _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr,
+                          kc_ptr, vc_ptr, scale, softcap, window, stride_cb, stride_cs, stride_ch,
+                          stride_bt, BLOCK_SIZE, TILE, USE_SOFTCAP, USE_WINDOW, IEEE, False)
+    for j in range(mid, t1):
+        M, L, acc = _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr,
+                          kc_ptr, vc_ptr, scale, softcap, window, stride_cb, stride_cs, stride_ch,
+                          stride_bt, BLOCK_SIZE, TILE, USE_SOFTCAP, USE_WINDOW, IEEE, True)
 
     if SEGMENTS == 1:
         o = acc / L[:, None]
@@ -146,14 +176,16 @@ def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD)
 
 
-# Prefill/mixed tiles for D <= 128: (BLOCK_M rows, KV TILE, warps, stages). Override for sweeps.
-PREFILL_CFG = tuple(int(x) for x in os.environ.get("FLATSERVE_PREFILL_CFG", "64,32,4,2").split(","))
+# Tiles for D <= 128: (BLOCK_M rows, KV TILE, warps, stages). Override for sweeps.
+PREFILL_CFG = tuple(int(x) for x in os.environ.get("FLATSERVE_PREFILL_CFG", "64,64,4,2").split(","))
+DECODE_CFG = tuple(int(x) for x in os.environ.get("FLATSERVE_DECODE_CFG", "16,64,4,2").split(","))
 
 
 def tile_config(meta: AttentionMetadata, qpk: int, D: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, TILE, warps, stages) from the batch's shape: host ints only, no device reads."""
     if meta.is_decode_only:
-        return max(16, triton.next_power_of_2(qpk)), (64 if D <= 128 else 32), 4, 2
+        block_m, tile, warps, stages = DECODE_CFG if D <= 128 else (16, 32, 4, 2)
+        return max(block_m, triton.next_power_of_2(qpk)), tile, warps, stages
     block_m, tile, warps, stages = PREFILL_CFG if D <= 128 else (64, 32, 8, 2)
     return max(block_m, triton.next_power_of_2(qpk)), tile, warps, stages
 
