@@ -1,6 +1,7 @@
 """The benchmark harness against a live flatserve, and against a fake endpoint that fails."""
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -151,3 +152,30 @@ def test_success_counting_is_honest_with_a_failing_endpoint() -> None:
     assert s["success"] == 8 and s["failed"] == 7
     assert s["output_tokens"] == 8 * 3
     assert any("HTTP 500" in e for e in s["errors"])
+
+
+def test_dropped_connection_is_resent_and_counted() -> None:
+    """A raw socket server that closes every other connection before answering (llama-server's
+    habit): each request succeeds on its second attempt and the re-send is counted."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    port = srv.getsockname()[1]
+    body = ("data: " + json.dumps({"choices": [{"index": 0, "text": "hi"}]}) + "\n\ndata: [DONE]\n\n").encode()
+
+    def serve() -> None:
+        for i in itertools.count():
+            conn, _ = srv.accept()
+            conn.recv(65536)
+            if i % 2 == 1:
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    res = bench([datasets.Item("x", 1, 3) for _ in range(3)], [1], f"http://127.0.0.1:{port}", "m",
+                progress=False)
+    s = res["levels"][0]
+    assert s["success"] == 3 and s["connection_retries"] == 3

@@ -30,6 +30,7 @@ class Record:
     output_tokens: int = 0  # from the server's usage when reported, else streamed chunks
     prompt_tokens: int = 0
     text_len: int = 0
+    retries: int = 0  # connections the server dropped before answering (request re-sent)
 
 
 def _body(item: Item, model: str, endpoint: str, ignore_eos: bool, extra: dict) -> dict:
@@ -45,15 +46,34 @@ def _body(item: Item, model: str, endpoint: str, ignore_eos: bool, extra: dict) 
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> Record:
+    """Stream one completion. A connection the server closes before sending any response line
+    (llama-server does this now and then on a fresh connection) is re-sent, at most twice, and
+    counted in `retries`; the clock keeps running from the first attempt."""
     r = Record()
     t0 = time.perf_counter()
+    for attempt in range(3):
+        answered = await _stream(client, url, body, headers, r, t0)
+        if answered or attempt == 2:
+            break
+        r.retries += 1
+        r.error = None
+    r.e2e = time.perf_counter() - t0
+    r.ok = r.error is None and r.text_len > 0
+    return r
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict, r: Record,
+                  t0: float) -> bool:
+    """-> False only when the server hung up before its response headers (safe to re-send)."""
     last = t0
     chunks = 0
+    answered = False
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
+            answered = True
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return r
+                return True
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -77,10 +97,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
                         r.text_len += len(piece)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         r.error = f"{type(e).__name__}: {e}"[:200]
-    r.e2e = time.perf_counter() - t0
     r.output_tokens = r.output_tokens or chunks
-    r.ok = r.error is None and r.text_len > 0
-    return r
+    return answered
 
 
 def _pct(xs: list[float], p: float) -> float | None:
@@ -102,7 +120,8 @@ def summarize(records: list[Record], wall: float) -> dict[str, Any]:
                          "wall_s": wall, "output_tokens": out_tok,
                          "prompt_tokens": sum(r.prompt_tokens for r in ok),
                          "output_throughput": out_tok / wall if wall else 0.0,
-                         "request_throughput": len(ok) / wall if wall else 0.0}
+                         "request_throughput": len(ok) / wall if wall else 0.0,
+                         "connection_retries": sum(r.retries for r in records)}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         s[f"{name}_mean"] = statistics.fmean(xs) if xs else None
         for p in (50, 90, 99):
@@ -225,7 +244,7 @@ def bench(items: list[Item] | Callable[[int], list[Item]], levels: list[int], ba
 
 def markdown(result: dict[str, Any]) -> str:
     rows = ["| concurrency | success | out tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-            "ITL p50 ms | E2E p50 s | wall s | peak RSS GiB |", "|" + "---|" * 11]
+            "ITL p50 ms | E2E p50 s | wall s | peak RSS GiB | re-sent |", "|" + "---|" * 12]
 
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.0f}"
@@ -235,5 +254,6 @@ def markdown(result: dict[str, Any]) -> str:
         e2e = "-" if s["e2e_p50"] is None else f"{s['e2e_p50']:.2f}"
         rows.append(f"| {s['concurrency']} | {s['success']}/{s['requests']} | {s['output_throughput']:.1f} | "
                     f"{s['request_throughput']:.2f} | {ms(s['ttft_p50'])} | {ms(s['ttft_p99'])} | "
-                    f"{ms(s['tpot_p50'])} | {ms(s['itl_p50'])} | {e2e} | {s['wall_s']:.1f} | {rss} |")
+                    f"{ms(s['tpot_p50'])} | {ms(s['itl_p50'])} | {e2e} | {s['wall_s']:.1f} | {rss} | "
+                    f"{s.get('connection_retries', 0)} |")
     return "\n".join(rows)
