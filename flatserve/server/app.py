@@ -52,10 +52,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 class ServerState:
-    def __init__(self, engine: Engine, cfg: EngineConfig, api_key: str | None) -> None:
-        self.engine = engine
+    def __init__(self, cfg: EngineConfig, api_key: str | None) -> None:
         self.metrics = Metrics()
-        self.async_engine = AsyncEngine(engine, self.metrics)
+        self.async_engine = AsyncEngine(lambda: Engine(cfg), self.metrics)  # built on its thread
+        self.engine = engine = self.async_engine.engine
         self.model_name = cfg.served_model_name or _default_name(cfg)
         self.api_key = api_key
         self.created = int(time.time())
@@ -164,11 +164,10 @@ def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    engine = Engine(cfg)
-    state = ServerState(engine, cfg, args.api_key)
+    state = ServerState(cfg, args.api_key)
     app = build_app(state)
     state.async_engine.start()
-    s = engine.state
+    s = state.engine.state
     print(f"flatserve {flatserve.__version__}: model {state.model_name} ({s.model.architecture}), "
           f"dtype {str(s.dtype).replace('torch.', '')}, device {s.device}, backend {s.backend}, "
           f"KV {s.budget.num_blocks - 1} blocks = {s.budget.token_capacity} tokens, "
