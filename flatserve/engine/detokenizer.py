@@ -37,6 +37,9 @@ class IncrementalDetokenizer:
         return self._flush() if self.stop else None
 
     def _flush(self) -> str | None:
+        if not self.stop and len(self.pending) > 1 and self._add_many(self.pending):
+            self.pending.clear()
+            return None
         hit = None
         for tok in self.pending:
             hit = self._add_one(tok)
@@ -55,6 +58,19 @@ class IncrementalDetokenizer:
             self._text += new
             return self._check_stop(len(new))
         return None
+
+    def _add_many(self, ids: list[int]) -> bool:
+        """Deferred tokens in two decodes instead of two per token (no stop strings to watch).
+        False (nothing changed) when the tail is an unfinished character: go token by token."""
+        window = self.ids[self.prefix_offset:]
+        prefix = self._decode(window[:self.read_offset - self.prefix_offset])
+        full = self._decode(window + ids)
+        if len(full) < len(prefix) or full.endswith("\ufffd"):
+            return False
+        self.ids.extend(ids)
+        self._text += full[len(prefix):]
+        self.prefix_offset, self.read_offset = len(self.ids) - 1, len(self.ids)
+        return True
 
     def _check_stop(self, num_new: int) -> str | None:
         if not self.stop:

@@ -53,3 +53,26 @@ def test_stop_string_earliest_wins_and_can_be_kept(tok) -> None:
         if d.add(i):
             break
     assert d.text == " one two"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deferred_bulk_decode_equals_token_by_token(tok, seed) -> None:
+    """Offline runs read the text once at the end (two decodes per request); streaming reads it
+    after every token (two per token). Both must give the same text, byte-fallback tokens and
+    multi-byte characters included."""
+    import random
+
+    rng = random.Random(seed)
+    text = " Grüße aus Köln 🙂 — 東京タワー, naïve café. The answer is 42."
+    ids = tok(text, add_special_tokens=False).input_ids
+    ids = ids + [rng.randrange(tok.vocab_size) for _ in range(60)] + ids[: rng.randrange(len(ids))]
+    prompt = tok("Say:").input_ids
+    step, bulk = IncrementalDetokenizer(tok, prompt, []), IncrementalDetokenizer(tok, prompt, [])
+    cut = rng.randrange(1, len(ids))  # a streaming read in the middle, then defer the rest
+    for i, t in enumerate(ids):
+        step.add(t)
+        _ = step.text  # read after every token: the streaming path
+        bulk.add(t)
+        if i == cut:
+            _ = bulk.text
+    assert bulk.text == step.text
