@@ -1,6 +1,7 @@
 """ModelRunner: SchedulerOutput -> one flat batch -> one forward -> logits of sampled rows only."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +42,8 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
     cu = np.zeros(len(sched) + 1, np.int64)
     np.cumsum(q_lens, out=cu[1:])
     seq_lens = starts + q_lens
-    ids = np.concatenate([np.asarray(s.new_token_ids, np.int64) for s in sched])
+    ids = np.fromiter(itertools.chain.from_iterable(s.new_token_ids for s in sched), np.int64,
+                      int(cu[-1]))
     # Position of each token: its sequence's start plus its offset inside the sequence's run.
     seq_of_tok = np.repeat(np.arange(len(sched)), q_lens)
     positions = starts[seq_of_tok] + np.arange(cu[-1]) - cu[:-1][seq_of_tok]
@@ -52,8 +54,10 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
     slots = table[seq_of_tok, positions // block_size].astype(np.int64) * block_size + positions % block_size
     sample_rows = [i for i, s in enumerate(sched) if s.samples]
     # A request verifying k drafts samples its last k + 1 rows (the last known token's, then each draft's).
-    rows = np.concatenate([np.arange(cu[i + 1] - 1 - len(sched[i].spec_token_ids), cu[i + 1])
-                           for i in sample_rows]) if sample_rows else np.zeros(0, np.int64)
+    counts = np.fromiter((len(sched[i].spec_token_ids) + 1 for i in sample_rows), np.int64,
+                         len(sample_rows))
+    firsts = cu[1:][sample_rows] - counts  # [S'] first sampled row of each sampling request
+    rows = np.repeat(firsts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
     pin = dev.pin_memory(device)
 
     def put(a: np.ndarray) -> torch.Tensor:

@@ -37,7 +37,10 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(c.req.status.finished for c in self.children)
+        for c in self.children:  # a loop, not all(genexpr): called per request per step
+            if not c.req.status.finished:
+                return False
+        return True
 
 
 class Engine:

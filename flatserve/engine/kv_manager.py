@@ -150,8 +150,14 @@ class KVCacheManager:
 
         `computed_blocks` (a prefix hit) are shared, not copied: they gain a reference.
         """
-        computed_blocks = computed_blocks or []
         held = self.req_blocks.get(req.request_id, [])
+        bs = self.block_size
+        end = req.num_computed_tokens + num_new_tokens
+        if not computed_blocks and end <= len(held) * bs:  # a decode inside its last block
+            if end // bs > req.num_computed_tokens // bs:  # ...that fills it: cache it
+                self._cache_full_blocks(req, end)
+            return held
+        computed_blocks = computed_blocks or []
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         need = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = need - len(held) - len(computed_blocks)

@@ -17,8 +17,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED  # a frozenset: asked several times per request per step
+
+
+_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED))
 
 
 @dataclass(slots=True, eq=False)  # identity equality: two requests are never 'equal'
