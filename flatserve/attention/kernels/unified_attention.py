@@ -55,12 +55,15 @@ def _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr, kc_p
     else:
         kt = tl.load(kc_ptr + off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
         v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    # Scores live in log2 units (x log2 e) so the softmax uses exp2, one multiply fewer per score.
     if IEEE:
-        sc = tl.dot(q, kt, input_precision="ieee") * scale
+        sc = tl.dot(q, kt, input_precision="ieee")
     else:
-        sc = tl.dot(q.to(kt.dtype), kt) * scale  # [BLOCK_M, TILE]
-    if USE_SOFTCAP:
-        sc = softcap * (2.0 * tl.sigmoid(2.0 * sc / softcap) - 1.0)  # softcap * tanh(sc / softcap)
+        sc = tl.dot(q.to(kt.dtype), kt)  # [BLOCK_M, TILE]
+    if USE_SOFTCAP:  # softcap * tanh(sc * scale / softcap), then to log2 units
+        sc = softcap * (2.0 * tl.sigmoid(2.0 * sc * scale / softcap) - 1.0) * 1.4426950408889634
+    else:
+        sc = sc * (scale * 1.4426950408889634)
     if MASK:
         ok = (n[None, :] <= q_pos[:, None]) & n_ok[None, :] & row_ok[:, None]
         if USE_WINDOW:
@@ -69,8 +72,8 @@ def _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr, kc_p
     m_new = tl.maximum(M, tl.max(sc, 1))
     if MASK:
         m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing visible yet
-    p = tl.exp(sc - m_new[:, None])
-    alpha = tl.exp(M - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    alpha = tl.exp2(M - m_new)
     L = L * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if IEEE:
@@ -121,7 +124,7 @@ def _attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, sink
     M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     if USE_SINKS:
         if seg == 0:  # the sink's logit enters once, with weight 1 and no value
-            M = tl.load(sinks_ptr + head).to(tl.float32)
+            M = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 units
     L = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
 
@@ -169,7 +172,7 @@ def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_
     m = tl.load(part_ml_ptr + (base + sg) * 2)
     l = tl.load(part_ml_ptr + (base + sg) * 2 + 1)
     mx = tl.max(m, 0)
-    w = tl.exp(m - mx)  # empty segments carry m = -inf -> weight 0
+    w = tl.exp2(m - mx)  # log2 units; empty segments carry m = -inf -> weight 0
     d = tl.arange(0, HEAD_P)
     acc = tl.load(part_acc_ptr + (base + sg)[:, None] * HEAD_P + d[None, :])
     o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
