@@ -1,5 +1,5 @@
 """The torch backend (CPU; the reference the kernels are tested against) vs a dense float64
-computation, on a paged cache with shuffled blocks: decode groups, prefill chunks, windows."""
+computation, on a paged cache with shuffled blocks: decodes, prefill chunks, windows, softcap, sinks."""
 from __future__ import annotations
 
 import random
