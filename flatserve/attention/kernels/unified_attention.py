@@ -205,14 +205,19 @@ def build_seq_map(meta: AttentionMetadata, block_q: int) -> list[int]:
     return out
 
 
+# Decode programs wanted per SM before the KV range is split (env override for sweeps).
+SPLIT_TARGET = float(os.environ.get("FLATSERVE_SPLIT_TARGET", "2"))
+
+
 def choose_segments(meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> int:
     """Split KV only for decode-only batches that leave the GPU under-filled (host ints only)."""
-    if not meta.is_decode_only:
+    if not meta.is_decode_only or meta.max_seq_len < 1024:
         return 1
     programs = meta.num_seqs * num_kv_heads
-    if programs >= num_sms or meta.max_seq_len < 1024:
+    want = SPLIT_TARGET * num_sms
+    if programs >= want:
         return 1
-    return min(16, triton.next_power_of_2(max(1, (2 * num_sms) // max(programs, 1))))
+    return min(16, triton.next_power_of_2(-(-int(want) // max(programs, 1))))
 
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
