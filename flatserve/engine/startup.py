@@ -99,10 +99,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     device = dev.select_device(cfg.device)
     backend = cfg.attention_backend or dev.default_backend(device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
-    src = resolve_model(cfg.model)
-    hf = load_hf_config(src)
-    get_model_class((getattr(hf, "architectures", None) or [""])[0])  # unsupported -> ValueError
-    mcfg = ModelConfig.from_hf(hf)
+    src, hf, mcfg = _model_config(cfg.model)
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
@@ -132,6 +129,13 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     return state, tokenizer, runner, draft_runner
 
 
+def _model_config(model: str | None) -> tuple[ModelSource, Any, ModelConfig]:
+    src = resolve_model(model)
+    hf = load_hf_config(src)
+    get_model_class((getattr(hf, "architectures", None) or [""])[0])  # unsupported -> ValueError
+    return src, hf, ModelConfig.from_hf(hf)
+
+
 def _load_weights(src: ModelSource, hf: Any, mcfg: ModelConfig, dtype: torch.dtype,
                   device: torch.device) -> tuple[torch.nn.Module, int]:
     before = dev.process_rss() if device.type != "cuda" else 0
@@ -147,10 +151,7 @@ def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, devi
                 ) -> tuple[torch.nn.Module, ModelConfig, int] | None:
     if cfg.speculative_method != "draft":
         return None
-    src = resolve_model(cfg.speculative_model)
-    hf = load_hf_config(src)
-    get_model_class((getattr(hf, "architectures", None) or [""])[0])
-    mcfg = ModelConfig.from_hf(hf)
+    src, hf, mcfg = _model_config(cfg.speculative_model)
     if mcfg.vocab_size > target.vocab_size:
         raise ValueError(f"draft model vocabulary ({mcfg.vocab_size}) is larger than the target's "
                          f"({target.vocab_size}): the two must share a tokenizer")
