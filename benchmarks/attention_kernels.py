@@ -81,7 +81,7 @@ def padded_sdpa(q_lens, seq_lens, hq, hkv, sets):
     return padded, mask
 
 
-def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True) -> dict:
+def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True, flex: bool = False) -> dict:
     sets = [make_case(q_lens, seq_lens, hq, hkv, D, BS, DT) for _ in range(4)]
     p = LayerAttnParams(D ** -0.5)
     outs = [torch.empty_like(s[0]) for s in sets]
@@ -109,6 +109,8 @@ def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True) -> dict
     kv, fl = costs(q_lens, seq_lens, hq, hkv)
     row = {"case": name, "us": t * 1e3, "map_us": t_map * 1e3, "kv_TBps": kv / t / 1e9, "TFLOPs": fl / t / 1e9,
            "floor_us": max(kv / (ceil["copy_GBps"] * 1e9), fl / (ceil["matmul_TFLOPs"] * 1e12)) * 1e6}
+    if flex:
+        row.update(flex_case(sets, p, outs, i))
     if not peer:
         return row
     try:
@@ -127,20 +129,51 @@ def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True) -> dict
     return row
 
 
+def flex_case(sets, p: LayerAttnParams, outs, i) -> dict:
+    """FlexAttention over the same paged caches (benchmarks/flex_peer.py); its error vs ours."""
+    from benchmarks.flex_peer import make_flex_runner
+
+    try:
+        runners = [make_flex_runner(q, kc, vc, meta, p.scale) for q, kc, vc, meta in sets]
+        q, kc, vc, meta = sets[0]
+        ours = unified_attention(q, kc, vc, meta, p).float()
+        theirs = runners[0][1](runners[0][0]()).float()
+        err = ((theirs - ours).norm() / ours.norm()).item()
+
+        def run_flex() -> None:
+            k = i[0] = (i[0] + 1) % 4
+            runners[k][0]()
+
+        t = triton.testing.do_bench(run_flex, warmup=20, rep=200, return_mode="median")
+        return {"flex_us": t * 1e3, "flex_rel_err": err}
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported, not fatal
+        return {"flex_us": None, "flex_error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out/kernels.json")
+    ap.add_argument("--cases", default="", help="comma-separated substrings; empty = all")
+    ap.add_argument("--flex", action="store_true", help="also time FlexAttention over the paged cache")
+    ap.add_argument("--no-sdpa", action="store_true")
     a = ap.parse_args()
     ceil = ceilings()
     print(f"GPU: {torch.cuda.get_device_name()}  copy {ceil['copy_GBps']:.0f} GB/s (read+write)  "
           f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
-    rows = [bench_case(*c, ceil) for c in CASES]
-    print("| case | flatserve us | host-map us | KV TB/s | TFLOP/s | floor us | SDPA padded us |")
-    print("|---|---|---|---|---|---|---|")
+    want = [w for w in a.cases.split(",") if w]
+    rows = []
+    for c in CASES:
+        if want and not any(w in c[0] for w in want):
+            continue
+        rows.append(bench_case(*c, ceil, peer=not a.no_sdpa, flex=a.flex))
+        print(json.dumps(rows[-1]), flush=True)
+    print("| case | flatserve us | host-map us | KV TB/s | TFLOP/s | floor us | SDPA padded us | Flex paged us |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        sd = f"{r['sdpa_padded_us']:.1f}" if r.get("sdpa_padded_us") else "OOM"
+        sd = f"{r['sdpa_padded_us']:.1f}" if r.get("sdpa_padded_us") else "OOM/skipped"
+        fx = f"{r['flex_us']:.1f}" if r.get("flex_us") else r.get("flex_error", "-")[:60]
         print(f"| {r['case']} | {r['us']:.1f} | {r['map_us']:.1f} | {r['kv_TBps']:.2f} | {r['TFLOPs']:.1f} | "
-              f"{r['floor_us']:.1f} | {sd} |")
+              f"{r['floor_us']:.1f} | {sd} | {fx} |")
     import os
 
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

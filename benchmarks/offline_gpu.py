@@ -28,7 +28,7 @@ def run_flatserve(a: argparse.Namespace) -> dict:
 
     llm = LLM(model=a.ckpt, dtype="bfloat16", max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.input + a.output + 16,
-              enforce_eager=a.enforce_eager)
+              enforce_eager=a.enforce_eager, fused_ops=a.fused_ops)
     vocab = llm.engine.state.model.vocab_size
     ps = prompts(a.prompts, a.input, vocab)
     params = SamplingParams(max_tokens=a.output, temperature=0, ignore_eos=True)
@@ -41,7 +41,7 @@ def run_flatserve(a: argparse.Namespace) -> dict:
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     step = decode_step_times(llm, vocab, a)
     return {"wall": wall, "out_tokens": n, "tok_per_s": n / wall, "req_per_s": len(ps) / wall,
-            "kv_blocks": llm.engine.state.budget.num_blocks, **step}
+            "fused_ops": sorted(llm.engine.state.fused_ops), "kv_blocks": llm.engine.state.budget.num_blocks, **step}
 
 
 def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--fused-ops", default="auto", help="auto | none | comma list (flatserve/ops)")
     ap.add_argument("--engines", default="flatserve,transformers")
     ap.add_argument("--child", default=None)
     ap.add_argument("--timeout", type=int, default=300)
@@ -118,7 +119,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", eng, "--ckpt", a.ckpt] + [
             f"--{k}={v}" for k, v in (("prompts", a.prompts), ("input", a.input), ("output", a.output),
                                       ("max-num-seqs", a.max_num_seqs),
-                                      ("max-num-batched-tokens", a.max_num_batched_tokens))]
+                                      ("max-num-batched-tokens", a.max_num_batched_tokens),
+                                      ("fused-ops", a.fused_ops))] + (["--enforce-eager"] * a.enforce_eager)
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
             line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from flatserve import device as dev
+from flatserve import ops
 from flatserve.config import EngineConfig
 from flatserve.engine.request import Request
 from flatserve.engine.sampler import Sampler
@@ -35,6 +36,7 @@ class EngineState:
     budget: CacheBudget
     eos_token_ids: frozenset[int]
     weights_bytes: int
+    fused_ops: frozenset[str] = frozenset()  # flatserve/ops kernels swapped in
 
     @property
     def max_model_len(self) -> int:
@@ -99,12 +101,16 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     device = dev.select_device(cfg.device)
     backend = cfg.attention_backend or dev.default_backend(device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
+    fused = ops.parse_fused_ops(cfg.fused_ops, backend)
     src, hf, mcfg = _model_config(cfg.model)
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
     draft = _load_draft(cfg, mcfg, dtype, device)
+    for m in (model, draft[0] if draft else None):
+        if m is not None:
+            ops.enable(m, fused)
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
     dev.release_freed_memory(device)
     elt = torch.empty((), dtype=dtype).element_size()
@@ -125,7 +131,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     draft_runner = None if draft is None else ModelRunner(
         draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend)
     state = EngineState(mcfg, src, device, dtype, backend, budget,
-                        _eos_ids(mcfg, tokenizer, src), weights)
+                        _eos_ids(mcfg, tokenizer, src), weights, fused)
     return state, tokenizer, runner, draft_runner
 
 

@@ -20,9 +20,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(H, eps, offset=1.0)
         self.post_feedforward_layernorm = RMSNorm(H, eps, offset=1.0)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), positions))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sandwich norms; the residual sum rides in the pre-MLP and the next input norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, positions))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3TextModel(nn.Module):
@@ -37,9 +44,10 @@ class Gemma3TextModel(nn.Module):
         e = self.embed_tokens(input_ids)  # [T, H]
         # HF rounds the scale to the weight dtype first (matters in bf16: sqrt(640) -> 25.25).
         h = e * torch.tensor(self.embed_scale, dtype=e.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, positions)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions)
+        return self.norm(h, residual)[0]
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,14 +14,28 @@ from flatserve.model.config import ModelConfig, RopeConfig
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w (Llama, Qwen) or * (1 + w) (Gemma: `offset=1`), computed in fp32 like HF."""
+    """x / rms(x) * w (Llama, Qwen) or * (1 + w) (Gemma: `offset=1`), computed in fp32 like HF.
+
+    With `residual`: returns (norm(x + residual), x + residual), the decoder's running sum
+    (the fused kernel updates `residual` in place and returns it)."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps, self.offset = eps, offset
+        self.fused: Callable[..., torch.Tensor] | None = None  # flatserve.ops.enable sets it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is not None:
+            if self.fused is not None:
+                return self.fused(x, self.weight, self.eps, bool(self.offset), residual), residual
+            residual = x + residual
+            return self._norm(residual), residual
+        if self.fused is not None and x.dim() == 2:
+            return self.fused(x, self.weight, self.eps, bool(self.offset))
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma multiplies in fp32, then casts
@@ -60,7 +75,8 @@ class Rotary(nn.Module):
         self.inv_freq = rope_inv_freq(self.rope, self.dim).to(device)
         self._cos_sin = None
 
-    def _table(self, n: int) -> torch.Tensor:
+    def table(self, n: int) -> torch.Tensor:
+        """fp32 [2, P, D] cos|sin for positions < P (P >= n, a power of two)."""
         if self._cos_sin is None or self._cos_sin.shape[1] < n:
             size = 1 << max(10, (n - 1).bit_length())
             pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
@@ -71,7 +87,7 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cs = self._table(max_pos + 1)[:, positions]  # [2, T, D]
+        cs = self.table(max_pos + 1)[:, positions]  # [2, T, D]
         cos, sin = cs[0, :, None, :].to(q.dtype), cs[1, :, None, :].to(q.dtype)  # [T, 1, D]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -113,9 +129,12 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported activation {act!r}")
         self.gate_up_proj = PackedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.act = ACTIVATIONS[act]
+        self.act, self.act_name = ACTIVATIONS[act], act
+        self.fused: Callable[[torch.Tensor, str], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.down_proj(self.fused(self.gate_up_proj(x), self.act_name))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(self.act(gate) * up)
 
@@ -140,6 +159,7 @@ class Attention(nn.Module):
         # Bound by the runner once the KV pool exists.
         self.backend: AttentionBackend | None = None
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fused: Callable[..., None] | None = None  # q/k norm + rotary in one kernel
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -147,10 +167,15 @@ class Attention(nn.Module):
         q = q.view(T, self.hq, self.d)  # [T, Hq, D]
         k = k.view(T, self.hkv, self.d)  # [T, Hkv, D]
         v = v.view(T, self.hkv, self.d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         meta = current_metadata()
-        q, k = self.rotary(positions, q, k, meta.max_seq_len)
+        if self.fused is not None:  # in place on the q/k views of the qkv output
+            n = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, bool(self.q_norm.offset)) \
+                if self.qk_norm else (None, None, 0.0, False)
+            self.fused(q, k, positions, self.rotary.table(meta.max_seq_len + 1), *n)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k, meta.max_seq_len)
         assert self.backend is not None and self.kv_cache is not None, "runner binds the KV pool"
         o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.hq * self.d))

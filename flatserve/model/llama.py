@@ -16,9 +16,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer input, running residual) -> (this layer's MLP output, residual): the hidden
+        state is their sum, added inside the next norm (one fused kernel on CUDA)."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -29,10 +36,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, H]
+        h, residual = self.embed_tokens(input_ids), None  # [T, H]
         for layer in self.layers:
-            h = layer(h, positions)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions)
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

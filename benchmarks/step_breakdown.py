@@ -1,0 +1,158 @@
+"""Where one decode step's time goes on the GPU: each phase of `Engine.step` timed on its own.
+
+    PYTHONPATH=. python3 benchmarks/step_breakdown.py --shape qwen3-0.6b --batch 64,256 --ctx 512
+
+Phases (CUDA-synchronised between them, so the sum is an upper bound of one step's wall time):
+schedule (scheduler), build (numpy packing + H2D copies), forward (graph replay or eager
+forward, logits), sample (sampler set-up on the host + GPU sampling + the one D2H copy),
+update (scheduler update, detokenizer, outputs). `gpu_ms` is the forward's CUDA-event time
+alone (GPU busy time of the step's model work); `floor_ms` is weights + KV bytes over the
+measured copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, ".")
+
+
+def _copy_bandwidth() -> float:
+    import torch
+
+    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - t)  # bytes read + written per second
+
+
+def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dict:
+    import torch
+
+    from benchmarks.offline_gpu import prompts
+    from flatserve import SamplingParams
+    from flatserve.runner import build_flat_batch
+    from flatserve.engine.sampler import expand
+
+    eng, runner = llm.engine, llm.engine.runner
+    vocab = eng.state.model.vocab_size
+    for p in prompts(batch, ctx, vocab, seed=batch):
+        eng.add_request(p, SamplingParams(max_tokens=steps + 20, ignore_eos=True, temperature=0))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    phases: dict[str, list[float]] = {k: [] for k in ("schedule", "build", "forward", "sample",
+                                                      "update", "total", "gpu")}
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = eng.scheduler.schedule()
+        t1 = time.perf_counter()
+        fb = build_flat_batch(out, runner.block_size, runner.device)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        ev0.record()
+        logits = runner.forward_logits(fb)
+        ev1.record()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        rows = expand(fb.groups)
+        st = eng.sampler.prepare(rows, runner.device)
+        tokens, _, _ = eng.sampler.sample(logits, rows, st)
+        toks = [[t] for t in tokens.tolist()]
+        t4 = time.perf_counter()
+        reqs = [r for r, _ in fb.groups]
+        eng.scheduler.update(out, {r.request_id: t for r, t in zip(reqs, toks)})
+        for req, tk in zip(reqs, toks):
+            eng._absorb(eng.children[req.request_id][1], tk[0], None)
+        t5 = time.perf_counter()
+        for k, v in zip(("schedule", "build", "forward", "sample", "update", "total"),
+                        (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+            phases[k].append(v * 1e3)
+        phases["gpu"].append(ev0.elapsed_time(ev1))
+    # Untouched engine steps at the same batch, for the real (unsynchronised) wall time.
+    walls = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.step(emit_unfinished=False)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t) * 1e3)
+    if profile:
+        print(f"-- GPU kernels of 5 decode forwards at batch {batch}:")
+        print(kernel_profile(runner, eng, build_flat_batch))
+    for rid in list(eng.parents):
+        eng.abort(rid)
+    med = {k: sorted(v)[len(v) // 2] for k, v in phases.items()}
+    med["engine_step"] = sorted(walls)[len(walls) // 2]
+    return med
+
+
+def kernel_profile(runner, eng, build_flat_batch) -> str:
+    """torch.profiler table of the kernels inside 5 forwards (graph replays keep their kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out = eng.scheduler.schedule()
+    fb = build_flat_batch(out, runner.block_size, runner.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.forward_logits(fb)
+        torch.cuda.synchronize()
+    eng.scheduler.update(out, {s.request.request_id: [0] for s in out.scheduled})
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--batch", default="64,256")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--fused-ops", default="auto")
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernel table per batch")
+    ap.add_argument("--out", default="bench_out/step_breakdown.json")
+    a = ap.parse_args()
+    import torch
+
+    from flatserve import LLM
+
+    if a.ckpt is None:
+        from flatserve.bench.random_ckpt import build
+
+        a.ckpt = str(build(a.shape, Path("/tmp/ckpt") / a.shape))
+    batches = [int(b) for b in a.batch.split(",")]
+    llm = LLM(model=a.ckpt, dtype="bfloat16", max_num_seqs=max(batches), max_num_batched_tokens=32768,
+              max_model_len=a.ctx + a.steps * 3 + 64, enforce_eager=a.enforce_eager, fused_ops=a.fused_ops)
+    m = llm.engine.state.model
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    kv_per_tok = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
+    bw = _copy_bandwidth()
+    rows = []
+    for b in batches:
+        r = measure(llm, b, a.ctx, a.steps, a.profile)
+        kv = b * (a.ctx + a.steps) * kv_per_tok
+        r.update(batch=b, floor_ms=(weights + kv) / bw * 1e3)  # bw counts read + write, as gpu.md
+        rows.append(r)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+    res = {"shape": a.shape, "gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9,
+           "weights_GB": weights / 1e9, "args": vars(a), "rows": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Choosing fused ops by name (CPU: the names, the errors, the torch default)."""
+from __future__ import annotations
+
+import pytest
+
+from flatserve.ops import FUSED_OPS, parse_fused_ops
+
+
+def test_auto_follows_the_backend() -> None:
+    assert parse_fused_ops("auto", "triton") == frozenset(FUSED_OPS)
+    assert parse_fused_ops("auto", "torch") == frozenset()
+    assert parse_fused_ops("none", "triton") == frozenset()
+    assert parse_fused_ops("rope, act", "triton") == frozenset({"rope", "act"})
+
+
+def test_bad_names_and_backends_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown fused op.*rmsnrom"):
+        parse_fused_ops("rmsnrom", "triton")
+    with pytest.raises(ValueError, match="need the triton backend"):
+        parse_fused_ops("act", "torch")
