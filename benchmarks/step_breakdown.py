@@ -46,7 +46,7 @@ def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dic
     eng, runner = llm.engine, llm.engine.runner
     vocab = eng.state.model.vocab_size
     for p in prompts(batch, ctx, vocab, seed=batch):
-        eng.add_request(p, SamplingParams(max_tokens=steps + 20, ignore_eos=True, temperature=0))
+        eng.add_request(p, SamplingParams(max_tokens=3 * steps + 20, ignore_eos=True, temperature=0))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
         eng.step()
     for _ in range(3):

@@ -92,15 +92,9 @@ def _attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, sink
                  HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                  TILE: tl.constexpr, SEGMENTS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                  USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, IEEE: tl.constexpr,
-                 USE_MAP: tl.constexpr, HEAD_MAJOR: tl.constexpr):
-    if HEAD_MAJOR:  # the KV heads of one sequence launch side by side (they share cache rows)
-        qb = tl.program_id(1)
-        kvh = tl.program_id(0)
-        num_kvh = tl.num_programs(0)
-    else:
-        qb = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kvh = tl.num_programs(1)
+                 USE_MAP: tl.constexpr):
+    qb = tl.program_id(0)
+    kvh = tl.program_id(1)
     seg = tl.program_id(2)
     if USE_MAP:  # host-built q-block -> sequence map (the measured alternative)
         s = tl.load(map_ptr + qb)
@@ -162,7 +156,7 @@ def _attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, sink
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:  # partials [T, Hq, SEGMENTS, HEAD_P] and (M, L) [T, Hq, SEGMENTS, 2], merged below
-        th = (tok * (NUM_QPK * num_kvh) + head) * SEGMENTS + seg
+        th = (tok * (NUM_QPK * tl.num_programs(1)) + head) * SEGMENTS + seg
         tl.store(part_acc_ptr + th[:, None] * HEAD_P + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + th * 2, M, mask=row_ok)
         tl.store(part_ml_ptr + th * 2 + 1, L, mask=row_ok)
@@ -211,9 +205,6 @@ def build_seq_map(meta: AttentionMetadata, block_q: int) -> list[int]:
     return out
 
 
-# Launch order of decode programs: sequence-major (0) or KV-head-major (1); env for the sweep.
-HEAD_MAJOR = os.environ.get("FLATSERVE_HEAD_MAJOR", "0") == "1"
-
 # Decode programs wanted per SM before the KV range is split (env override for sweeps).
 SPLIT_TARGET = float(os.environ.get("FLATSERVE_SPLIT_TARGET", "2"))
 
@@ -248,10 +239,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         segments = meta.segments
     if segments is None:
         segments = choose_segments(meta, Hkv, torch.cuda.get_device_properties(q.device).multi_processor_count)
-    head_major = HEAD_MAJOR and meta.is_decode_only
     grid = (T // block_q + meta.num_seqs, Hkv, segments)
-    if head_major:
-        grid = (Hkv, grid[0], segments)
     hp = triton.next_power_of_2(D)
     part_acc = part_ml = out  # unused placeholders when not segmented
     if segments > 1:
@@ -265,7 +253,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         NUM_QPK=qpk, BLOCK_SIZE=bs, HEAD=D, HEAD_P=hp, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
         SEGMENTS=segments, USE_SOFTCAP=p.softcap is not None, USE_WINDOW=p.sliding_window is not None,
-        USE_SINKS=sinks is not None, IEEE=q.dtype == torch.float32, USE_MAP=seq_map is not None, HEAD_MAJOR=head_major,
+        USE_SINKS=sinks is not None, IEEE=q.dtype == torch.float32, USE_MAP=seq_map is not None,
         num_warps=warps, num_stages=stages)
     if segments > 1:
         _merge_kernel[(T, Hq)](out, part_acc, part_ml, out.stride(0), out.stride(1), Hq,
