@@ -28,7 +28,8 @@ def run_flatserve(a: argparse.Namespace) -> dict:
 
     llm = LLM(model=a.ckpt, dtype="bfloat16", max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.input + a.output + 16,
-              enforce_eager=a.enforce_eager, fused_ops=a.fused_ops)
+              enforce_eager=a.enforce_eager, fused_ops=a.fused_ops,
+              async_scheduling=a.async_scheduling)
     vocab = llm.engine.state.model.vocab_size
     ps = prompts(a.prompts, a.input, vocab)
     params = SamplingParams(max_tokens=a.output, temperature=0, ignore_eos=True)
@@ -43,11 +44,12 @@ def run_flatserve(a: argparse.Namespace) -> dict:
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     step = decode_step_times(llm, vocab, a)
     return {"wall": wall, "out_tokens": n, "tok_per_s": n / wall, "req_per_s": len(ps) / wall,
-            "fused_ops": sorted(llm.engine.state.fused_ops), "kv_blocks": llm.engine.state.budget.num_blocks, **step}
+            "fused_ops": sorted(llm.engine.state.fused_ops), "async": llm.engine.async_mode,
+            "kv_blocks": llm.engine.state.budget.num_blocks, **step}
 
 
 def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
-    """Median decode-step time at batch 64 and 256 (context = input length), host included."""
+    """Mean decode-step time at batch 64 and 256 (context = input length), host included."""
     import torch
 
     from flatserve import SamplingParams
@@ -61,16 +63,17 @@ def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
             eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
             eng.step()
-        times = []
-        for _ in range(30):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
+        for _ in range(3):
             eng.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+        # Back to back, as a run steps (async scheduling overlaps host and GPU only here).
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(30):
+            eng.step()
+        torch.cuda.synchronize()
+        res[f"decode_step_ms_b{bs}"] = (time.perf_counter() - t) / 30 * 1e3
         while eng.has_unfinished():
             eng.step()
-        res[f"decode_step_ms_b{bs}"] = sorted(times)[len(times) // 2] * 1e3
     return res
 
 
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--fused-ops", default="auto", help="auto | none | comma list (flatserve/ops)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--engines", default="flatserve,transformers")
     ap.add_argument("--child", default=None)
     ap.add_argument("--timeout", type=int, default=300)
@@ -122,7 +126,9 @@ def main() -> None:
             f"--{k}={v}" for k, v in (("prompts", a.prompts), ("input", a.input), ("output", a.output),
                                       ("max-num-seqs", a.max_num_seqs),
                                       ("max-num-batched-tokens", a.max_num_batched_tokens),
-                                      ("fused-ops", a.fused_ops))] + (["--enforce-eager"] * a.enforce_eager)
+                                      ("fused-ops", a.fused_ops))] + (["--enforce-eager"] * a.enforce_eager) + (
+            [] if a.async_scheduling is None else
+            ["--async-scheduling" if a.async_scheduling else "--no-async-scheduling"])
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
             line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]

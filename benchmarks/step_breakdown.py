@@ -5,7 +5,9 @@
 Phases (CUDA-synchronised between them, so the sum is an upper bound of one step's wall time):
 schedule (scheduler), build (numpy packing + H2D copies), forward (graph replay or eager
 forward, logits), sample (sampler set-up on the host + GPU sampling + the one D2H copy),
-update (scheduler update, detokenizer, outputs). `gpu_ms` is the forward's CUDA-event time
+update (scheduler update, detokenizer, outputs): always the synchronous order, whatever the
+engine's mode. `engine_step` is one untouched `Engine.step` synchronised around it;
+`engine_step_back_to_back` is 30 steps in a row / 30 (async scheduling overlaps there). `gpu_ms` is the forward's CUDA-event time
 alone (GPU busy time of the step's model work); `floor_ms` is weights + KV bytes over the
 measured copy bandwidth.
 """
@@ -46,7 +48,7 @@ def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dic
     eng, runner = llm.engine, llm.engine.runner
     vocab = eng.state.model.vocab_size
     for p in prompts(batch, ctx, vocab, seed=batch):
-        eng.add_request(p, SamplingParams(max_tokens=3 * steps + 20, ignore_eos=True, temperature=0))
+        eng.add_request(p, SamplingParams(max_tokens=4 * steps + 20, ignore_eos=True, temperature=0))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
         eng.step()
     for _ in range(3):
@@ -81,7 +83,8 @@ def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dic
                         (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
             phases[k].append(v * 1e3)
         phases["gpu"].append(ev0.elapsed_time(ev1))
-    # Untouched engine steps at the same batch, for the real (unsynchronised) wall time.
+    # Untouched engine steps at the same batch: each alone (synchronised around it), and
+    # back to back (what a run sees; with async scheduling the host overlaps the GPU here).
     walls = []
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -89,6 +92,12 @@ def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dic
         eng.step(emit_unfinished=False)
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step(emit_unfinished=False)
+    torch.cuda.synchronize()
+    back_to_back = (time.perf_counter() - t) * 1e3 / steps
     if profile:
         print(f"-- GPU kernels of 5 decode forwards at batch {batch}:")
         print(kernel_profile(runner, eng, build_flat_batch))
@@ -96,6 +105,7 @@ def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dic
         eng.abort(rid)
     med = {k: sorted(v)[len(v) // 2] for k, v in phases.items()}
     med["engine_step"] = sorted(walls)[len(walls) // 2]
+    med["engine_step_back_to_back"] = back_to_back
     return med
 
 
@@ -123,6 +133,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--fused-ops", default="auto")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel table per batch")
     ap.add_argument("--out", default="bench_out/step_breakdown.json")
     a = ap.parse_args()
@@ -136,7 +147,8 @@ def main() -> None:
         a.ckpt = str(build(a.shape, Path("/tmp/ckpt") / a.shape))
     batches = [int(b) for b in a.batch.split(",")]
     llm = LLM(model=a.ckpt, dtype="bfloat16", max_num_seqs=max(batches), max_num_batched_tokens=32768,
-              max_model_len=a.ctx + a.steps * 3 + 64, enforce_eager=a.enforce_eager, fused_ops=a.fused_ops)
+              max_model_len=a.ctx + a.steps * 3 + 64, enforce_eager=a.enforce_eager, fused_ops=a.fused_ops,
+              async_scheduling=a.async_scheduling)
     m = llm.engine.state.model
     weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     kv_per_tok = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2

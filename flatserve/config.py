@@ -30,6 +30,7 @@ class EngineConfig:
     os_reserve_gb: float | None = None  # unified memory: RAM kept for the OS and other apps
     gpu_memory_utilization: float = 0.9  # discrete GPU: fraction of device memory to claim
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA without speculation
     fused_ops: str = "auto"  # auto | none | comma list of rmsnorm,rope,act (flatserve/ops)
     served_model_name: str | None = None
     chat_template: str | None = None  # path to a Jinja template overriding the model's

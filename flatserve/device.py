@@ -5,6 +5,8 @@ import os
 import threading
 import time
 
+from typing import Callable
+
 import torch
 
 from flatserve.memory import MemoryProbe
@@ -66,6 +68,18 @@ def supports_cuda_graphs(device: torch.device) -> bool:
 
 def pin_memory(device: torch.device) -> bool:
     return device.type == "cuda"
+
+
+def copy_to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Start a device->host copy; -> (host tensor, wait). CUDA: pinned buffer + event, so the
+    host can keep working (async scheduling) until it needs the values."""
+    if t.device.type != "cuda":
+        return t, lambda: None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event.synchronize
 
 
 def probe_memory(device: torch.device) -> MemoryProbe:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ class FlatBatch:
     meta: AttentionMetadata
     logits_index: torch.Tensor  # [R] rows of the strip whose logits are sampled
     groups: list[Group]  # sampling requests with their drafts: k drafts own k + 1 rows
+    # Async: flat positions whose token is still on the device, and whose request it is.
+    pending_index: list[int]
+    pending_ids: list[str]
 
     @property
     def num_rows(self) -> int:
@@ -42,8 +46,11 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
     cu = np.zeros(len(sched) + 1, np.int64)
     np.cumsum(q_lens, out=cu[1:])
     seq_lens = starts + q_lens
-    ids = np.fromiter(itertools.chain.from_iterable(s.new_token_ids for s in sched), np.int64,
-                      int(cu[-1]))
+    # A pending token (async scheduling) is not on the host yet: -1 here, filled on the device.
+    pend = [i for i, s in enumerate(sched) if s.request.num_pending]
+    ids = np.fromiter(itertools.chain.from_iterable(
+        s.new_token_ids + [-1] * (s.num_tokens - len(s.new_token_ids)) if s.request.num_pending
+        else s.new_token_ids for s in sched), np.int64, int(cu[-1]))
     # Position of each token: its sequence's start plus its offset inside the sequence's run.
     seq_of_tok = np.repeat(np.arange(len(sched)), q_lens)
     positions = starts[seq_of_tok] + np.arange(cu[-1]) - cu[:-1][seq_of_tok]
@@ -70,7 +77,8 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
         max_seq_len=int(seq_lens.max()), cu_seqlens_q_host=cu.tolist(),
         seq_lens_host=seq_lens.tolist())
     return FlatBatch(put(ids), put(positions), meta, put(rows.astype(np.int64)),
-                     [(sched[i].request, sched[i].spec_token_ids) for i in sample_rows])
+                     [(sched[i].request, sched[i].spec_token_ids) for i in sample_rows],
+                     [int(cu[i + 1]) - 1 for i in pend], [sched[i].request.request_id for i in pend])
 
 
 class ModelRunner:
@@ -110,22 +118,60 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_index])  # [S', V]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampler: Sampler
-                ) -> tuple[list[Request], list[list[int]], list[list[Logprobs | None]]]:
-        """-> sampling requests, the tokens each emits (accepted drafts + one), their logprobs."""
+    def launch(self, out: SchedulerOutput, sampler: Sampler, prev: InFlight | None = None
+               ) -> InFlight | None:
+        """Enqueue the step's forward and sampling; the sampled ids start their copy to the
+        host. `prev` (async scheduling) holds the previous step's ids still on the device."""
         batch = build_flat_batch(out, self.block_size, self.device)
+        if batch.pending_index:
+            assert prev is not None, "a pending token needs the step that sampled it"
+            rows = [prev.row_of[rid] for rid in batch.pending_ids]
+            src = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            dst = torch.tensor(batch.pending_index, dtype=torch.int64).to(self.device, non_blocking=True)
+            batch.input_ids[dst] = prev.tokens[src]
         logits = self.forward_logits(batch)
         if not batch.groups:
-            return [], [], []
+            return None
         rows = expand(batch.groups)
         st = sampler.prepare(rows, self.device)
         tokens, accepted, logprobs = sampler.sample(logits, rows, st)
-        if accepted is None:  # the step's one device->host copy
-            return [r for r, _ in batch.groups], [[t] for t in tokens.tolist()], [[lp] for lp in logprobs]
-        emitted, acc = torch.stack([tokens, accepted.long()]).tolist()
-        toks = accept_walk(batch.groups, emitted, acc)
+        # The step's one device->host copy, waited for in `collect`.
+        host, wait = dev.copy_to_host_async(tokens if accepted is None
+                                            else torch.stack([tokens, accepted.long()]))
+        row_of = {r.request_id: i for i, (r, _) in enumerate(batch.groups)}
+        return InFlight(batch.groups, tokens, accepted is not None, host, wait, logprobs, row_of)
+
+    @staticmethod
+    def collect(f: InFlight | None) -> tuple[list[Request], list[list[int]], list[list[Logprobs | None]]]:
+        """-> sampling requests, the tokens each emits (accepted drafts + one), their logprobs."""
+        if f is None:
+            return [], [], []
+        f.wait()
+        reqs = [r for r, _ in f.groups]
+        if not f.has_drafts:
+            return reqs, [[t] for t in f.host.tolist()], [[lp] for lp in f.logprobs]
+        emitted, acc = f.host.tolist()
+        toks = accept_walk(f.groups, emitted, acc)
         lps, r = [], 0
-        for (_, drafts), t in zip(batch.groups, toks):
-            lps.append(logprobs[r:r + len(t)])
+        for (_, drafts), t in zip(f.groups, toks):
+            lps.append(f.logprobs[r:r + len(t)])
             r += len(drafts) + 1
-        return [r for r, _ in batch.groups], toks, lps
+        return reqs, toks, lps
+
+    def execute(self, out: SchedulerOutput, sampler: Sampler
+                ) -> tuple[list[Request], list[list[int]], list[list[Logprobs | None]]]:
+        """launch + collect: one synchronous step."""
+        return self.collect(self.launch(out, sampler))
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A launched step: its sampled ids on the device and (being) copied to the host."""
+
+    groups: list[Group]
+    tokens: torch.Tensor  # [R] device: the next step's pending inputs are read from here
+    has_drafts: bool
+    host: torch.Tensor  # [R] or [2, R] (emitted, accepted) once `wait` returns
+    wait: Callable[[], None]
+    logprobs: list[Logprobs | None]
+    row_of: dict[str, int]  # request id -> its row in `tokens` (no drafts in async mode)

@@ -13,8 +13,9 @@ from flatserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from flatserve.engine.request import Request, RequestStatus
 from flatserve.engine.sampler import Logprobs, Sampler
 from flatserve.engine.sampling_params import SamplingParams
-from flatserve.engine.scheduler import Scheduler, SchedulerConfig
+from flatserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flatserve.engine.startup import EngineState, start_up
+from flatserve.runner import InFlight
 from flatserve.spec import Proposer, SpecStats
 
 log = logging.getLogger("flatserve")
@@ -51,8 +52,10 @@ class Engine:
         s = self.state
         self.kv = KVCacheManager(s.budget.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.spec = SpecStats()
+        self.async_mode = resolve_async(cfg, s.device.type)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, s.max_model_len),
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, s.max_model_len,
+                            self.async_mode),
             self.kv, s.eos_token_ids)
         self.sampler = Sampler(s.model.vocab_size, s.eos_token_ids, cfg.seed)
         self.proposer = make_proposer(cfg, self.kv, draft_runner, s.max_model_len, self.sampler)
@@ -61,6 +64,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._inflight: tuple[SchedulerOutput, InFlight | None] | None = None  # async only
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -118,24 +122,56 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.parents)
+        return bool(self.parents) or self._inflight is not None
 
     # ---------------------------------------------------------------- the step
     def step(self, emit_unfinished: bool = True) -> list[RequestOutput]:
         """One engine step. `emit_unfinished=False` (offline runs) reports finished requests only,
-        so no text is built for requests still generating."""
+        so no text is built for requests still generating.
+
+        Async scheduling: step N+1 is scheduled and launched before step N's tokens are read,
+        so the host's bookkeeping of step N overlaps the GPU's work on N+1; outputs lag a step.
+        """
+        prev = self._inflight
+        if prev is not None and not self._async_ok():
+            self._inflight = None  # a request needs its full history on the host: drain first
+            return self._finish_step(*prev, emit_unfinished)
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
+        launched = None
+        if not out.is_empty:
+            launched = self.runner.launch(out, self.sampler, prev[1] if prev else None)
+            if self.async_mode:
+                self.scheduler.commit(out)
+        results: list[RequestOutput] = []
+        if prev is not None:
+            self._inflight = None
+            results = self._finish_step(*prev, emit_unfinished)
+        if not out.is_empty:
+            if self.async_mode:
+                self._inflight = (out, launched)
+            else:
+                results = self._finish_step(out, launched, emit_unfinished)
+        return results
+
+    def _async_ok(self) -> bool:
+        """Penalties read every earlier output token on the host, so they run synchronously."""
+        for r in self.scheduler.running:
+            if r.params.uses_history:
+                return False
+        return not any(r.params.uses_history for r in self.scheduler.waiting)
+
+    def _finish_step(self, out: SchedulerOutput, launched: InFlight | None,
+                     emit_unfinished: bool) -> list[RequestOutput]:
+        """Read a launched step's tokens; scheduler update, detokenize, stop strings, outputs."""
+        reqs, tokens, logprobs = self.runner.collect(launched)
         out_spec = {s.request.request_id: len(s.spec_token_ids) for s in out.scheduled if s.spec_token_ids}
-        reqs, tokens, logprobs = self.runner.execute(out, self.sampler)
         before = {r.request_id: r.num_tokens for r in reqs}
         self.scheduler.update(out, {r.request_id: t for r, t in zip(reqs, tokens)})
         touched: dict[str, _Parent] = {}
         for req, toks, lps in zip(reqs, tokens, logprobs):
             entry = self.children.get(req.request_id)
-            if entry is None:
-                continue
+            if entry is None or req.num_tokens == before[req.request_id]:
+                continue  # gone, or finished before this (async) step's token arrived
             parent, child = entry
             self.spec.record(len(toks), out_spec.get(req.request_id, 0))
             # The scheduler appended tokens up to an eos/length stop; a stop string may cut earlier.
@@ -208,6 +244,16 @@ class Engine:
                 "spec_draft_tokens": self.spec.num_draft_tokens,
                 "spec_accepted_tokens": self.spec.num_accepted_tokens,
                 "spec_verify_steps": self.spec.num_groups}
+
+
+def resolve_async(cfg: EngineConfig, device_type: str) -> bool:
+    """Async scheduling: on by default where the forward runs asynchronously to the host (CUDA);
+    never with speculative decoding (a verify step's token count is known only after it)."""
+    if cfg.speculative_method is not None:
+        if cfg.async_scheduling:
+            raise ValueError("async_scheduling cannot be combined with speculative decoding")
+        return False
+    return device_type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
 
 
 def make_proposer(cfg: EngineConfig, kv: KVCacheManager, draft_runner: Any,

@@ -48,6 +48,9 @@ class Request:
     # and how many tokens the draft model's own KV holds (draft-model proposer only).
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_computed: int = 0
+    # Async scheduling: tokens sampled by a launched step whose values are still on the device
+    # (0 or 1 between steps). The scheduler counts them as known; the runner reads them there.
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

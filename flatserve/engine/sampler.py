@@ -31,7 +31,8 @@ class SampleRow:
 
     @property
     def num_output_tokens(self) -> int:
-        return self.req.num_output_tokens + len(self.drafts)
+        """Index of the token this row samples: outputs known, in flight (async), and drafts."""
+        return self.req.num_output_tokens + self.req.num_pending + len(self.drafts)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -41,6 +41,11 @@ class SamplingParams:
         return self._stop_list
 
     @property
+    def uses_history(self) -> bool:
+        """Penalties read every earlier output token (async scheduling waits for them)."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty or self.presence_penalty)
+
+    @property
     def greedy(self) -> bool:
         # vLLM treats temperature below 1e-5 as greedy.
         return self.temperature < 1e-5

@@ -19,6 +19,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Async: step N+1 is scheduled before step N's tokens are read. `commit` advances the
+    # computed counts at launch and marks the sampled token pending; `update` only appends.
+    async_scheduling: bool = False
 
 
 @dataclass(slots=True)
@@ -34,10 +37,12 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """True when this step reaches the last known token, so its logits give the next one."""
-        return self.start_pos + self.num_tokens == self.request.num_tokens + len(self.spec_token_ids)
+        r = self.request
+        return self.start_pos + self.num_tokens == r.num_tokens + r.num_pending + len(self.spec_token_ids)
 
     @property
     def new_token_ids(self) -> list[int]:
+        """Host-known tokens of this run; a pending token (async) is missing at the end."""
         toks = self.request.token_ids
         end = self.start_pos + self.num_tokens
         if end <= len(toks):
@@ -105,7 +110,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            known = req.num_tokens - req.num_computed_tokens
+            if req.num_pending and self._ends_by_length(req):
+                i += 1  # its pending token is its last: nothing to compute
+                continue
+            known = req.num_tokens + req.num_pending - req.num_computed_tokens
             n = min(known + len(req.spec_token_ids), budget)
             blocks = self.kv.allocate_slots(req, n)
             while blocks is None:
@@ -124,6 +132,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:
+                break  # preempted with a token in flight: re-admitted once it is read
             hit, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             blocks = self.kv.allocate_slots(req, n, hit)
@@ -150,6 +160,19 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted_ids.append(req.request_id)
 
+    def _ends_by_length(self, req: Request) -> bool:
+        return (req.num_output_tokens + req.num_pending >= req.max_tokens
+                or req.num_tokens + req.num_pending >= self.cfg.max_model_len)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Async: the step is launched; count its tokens computed and its samples pending."""
+        assert self.cfg.async_scheduling
+        for s in out.scheduled:
+            req = s.request
+            sampled = s.samples  # before the counts below move
+            req.num_computed_tokens += s.num_tokens
+            req.num_pending += sampled
+
     # ---------------------------------------------------------------- after the forward
     def update(self, out: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[Request]:
         """Advance computed counts, append sampled tokens, apply token-level stops.
@@ -164,8 +187,11 @@ class Scheduler:
             if req.status.finished:  # aborted while the step ran
                 continue
             toks = new_tokens.get(req.request_id, ())
-            rejected = len(s.spec_token_ids) - (len(toks) - 1) if toks else 0
-            req.num_computed_tokens += s.num_tokens - rejected
+            if self.cfg.async_scheduling:  # counts moved at commit; the token is read now
+                req.num_pending -= 1 if toks else 0
+            else:
+                rejected = len(s.spec_token_ids) - (len(toks) - 1) if toks else 0
+                req.num_computed_tokens += s.num_tokens - rejected
             req.spec_token_ids = []
             for tok in toks:
                 req.token_ids.append(tok)
