@@ -26,10 +26,10 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(L)) for L in lens[:n]]
 
 
-def run_flatserve(prompts: list[str], max_tokens: int, dtype: str) -> dict:
+def run_flatserve(prompts: list[str], max_tokens: int, dtype: str, quantization: str | None = None) -> dict:
     from flatserve import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, kv_cache_memory=512 * 2**20, max_model_len=4096)
+    llm = LLM(dtype=dtype, kv_cache_memory=512 * 2**20, max_model_len=4096, quantization=quantization)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm
     t0 = time.perf_counter()
@@ -92,8 +92,12 @@ def measure_floor(dtype: str) -> dict:
 
 def _child(args: argparse.Namespace) -> None:
     prompts = make_prompts(args.level)
-    fn = run_flatserve if args.engine == "flatserve" else run_transformers
-    print("RESULT " + json.dumps(fn(prompts, args.max_tokens, args.dtype)), flush=True)
+    if args.engine == "transformers":
+        res = run_transformers(prompts, args.max_tokens, args.dtype)
+    else:  # "flatserve" or "flatserve-int8" (weight-only int8, --quantization int8)
+        res = run_flatserve(prompts, args.max_tokens, args.dtype,
+                            "int8" if args.engine == "flatserve-int8" else None)
+    print("RESULT " + json.dumps(res), flush=True)
 
 
 def _spawn(engine: str, level: int, args: argparse.Namespace) -> dict:
@@ -124,7 +128,8 @@ def main() -> None:
     ap.add_argument("--levels", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--engines", default="flatserve,transformers")
+    ap.add_argument("--engines", default="flatserve,transformers",
+                    help="comma list of flatserve, flatserve-int8, transformers")
     ap.add_argument("--out", default="bench_out/offline_cpu.json")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--engine")
@@ -146,7 +151,8 @@ def main() -> None:
         # reading all weights once at the copy bandwidth; the larger term binds.
         total = r["prompt_tokens"] + r["out_tokens"]
         t_compute = total * costs["flops_per_token"] / rate
-        t_memory = args.max_tokens * costs["weight_params"] * elt / floor["copy_bytes_per_s"]
+        w_elt = 1 if r["engine"] == "flatserve-int8" else elt  # int8 weights: 1 byte each
+        t_memory = args.max_tokens * costs["weight_params"] * w_elt / floor["copy_bytes_per_s"]
         floor_tps = r["out_tokens"] / max(t_compute, t_memory)
         r.update(floor_tok_per_s=floor_tps, t_compute=t_compute, t_memory=t_memory)
         print(f"| {r['engine']} | {r['level']} | {r['tok_per_s']:.1f} | {r['wall']:.1f} | "

@@ -4,6 +4,7 @@ What it finds goes into `EngineState`, never back into the frozen EngineConfig.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,8 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
+    if cfg.quantization:
+        weights = _quantize(model, cfg.quantization, device)
     draft = _load_draft(cfg, mcfg, dtype, device)
     for m in (model, draft[0] if draft else None):
         if m is not None:
@@ -153,6 +156,20 @@ def _load_weights(src: ModelSource, hf: Any, mcfg: ModelConfig, dtype: torch.dty
     return model, weights
 
 
+def _quantize(model: torch.nn.Module, method: str, device: torch.device) -> int:
+    """Weight-only int8 in place; -> the weights' bytes now (shared tensors counted once)."""
+    if device.type != "cpu":
+        raise ValueError(f"quantization {method!r} is a CPU path (int8 GEMV kernel); "
+                         f"the device here is {device.type}")
+    from flatserve.model.quant import quantize_model
+
+    quantize_model(model)
+    dev.release_freed_memory(device)
+    seen = {t.data_ptr(): t.numel() * t.element_size()
+            for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(seen.values())
+
+
 def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device
                 ) -> tuple[torch.nn.Module, ModelConfig, int] | None:
     if cfg.speculative_method != "draft":
@@ -162,6 +179,8 @@ def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, devi
         raise ValueError(f"draft model vocabulary ({mcfg.vocab_size}) is larger than the target's "
                          f"({target.vocab_size}): the two must share a tokenizer")
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
+    if cfg.quantization:
+        weights = _quantize(model, cfg.quantization, device)
     return model, mcfg, weights
 
 
