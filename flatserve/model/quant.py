@@ -21,11 +21,17 @@ GEMV_ROWS = 4
 SLICE_BYTES = 4 << 20
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], scales [N] fp32): w ~= q * scale[:, None]."""
-    wf = w.float()
-    scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+def quantize_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], scales [N] fp32): w ~= q * scale[:, None].
+
+    In chunks of rows: an fp32 copy of the 262k-row LM head alone would be 671 MB of peak RAM."""
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for i in range(0, w.shape[0], chunk):
+        wf = w[i:i + chunk].float()
+        s = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q[i:i + chunk] = torch.round(wf / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scale[i:i + chunk] = s
     return q, scale
 
 
