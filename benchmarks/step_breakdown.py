@@ -94,11 +94,13 @@ def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dic
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
-    t = time.perf_counter()
+    stamps = [time.perf_counter()]
     for _ in range(steps):
         eng.step(emit_unfinished=False)
+        stamps.append(time.perf_counter())
     torch.cuda.synchronize()
-    back_to_back = (time.perf_counter() - t) * 1e3 / steps
+    back_to_back = (time.perf_counter() - stamps[0]) * 1e3 / steps
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
     if profile and not eng.async_mode:  # the profile replays the synchronous order too
         print(f"-- GPU kernels of 5 decode forwards at batch {batch}:")
         print(kernel_profile(runner, eng, build_flat_batch))
@@ -106,7 +108,8 @@ def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dic
         eng.abort(rid)
     med = {k: sorted(v)[len(v) // 2] for k, v in phases.items() if v}
     med["engine_step"] = sorted(walls)[len(walls) // 2]
-    med["engine_step_back_to_back"] = back_to_back
+    med["engine_step_back_to_back"] = back_to_back  # mean
+    med["engine_step_back_to_back_median"] = gaps[len(gaps) // 2] * 1e3
     return med
 
 
