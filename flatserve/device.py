@@ -66,8 +66,12 @@ def supports_cuda_graphs(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def pin_memory(device: torch.device) -> bool:
-    return device.type == "cuda"
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> device without blocking the host: from pinned memory on CUDA (a copy
+    from pageable memory may wait for the stream, which would undo async scheduling)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def copy_to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:

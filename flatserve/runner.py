@@ -65,11 +65,8 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
                          len(sample_rows))
     firsts = cu[1:][sample_rows] - counts  # [S'] first sampled row of each sampling request
     rows = np.repeat(firsts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
-    pin = dev.pin_memory(device)
-
     def put(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+        return dev.to_device(torch.from_numpy(a), device)
 
     meta = AttentionMetadata(
         cu_seqlens_q=put(cu.astype(np.int32)), seq_lens=put(seq_lens.astype(np.int32)),
@@ -126,8 +123,8 @@ class ModelRunner:
         if batch.pending_index:
             assert prev is not None, "a pending token needs the step that sampled it"
             rows = [prev.row_of[rid] for rid in batch.pending_ids]
-            src = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            dst = torch.tensor(batch.pending_index, dtype=torch.int64).to(self.device, non_blocking=True)
+            src = dev.to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+            dst = dev.to_device(torch.tensor(batch.pending_index, dtype=torch.int64), self.device)
             batch.input_ids[dst] = prev.tokens[src]
         logits = self.forward_logits(batch)
         if not batch.groups:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flatserve import device as dev
 from flatserve.engine.request import Request
 
 Logprobs = list[tuple[int, float]]  # (token id, logprob): the sampled token first, then top-n
@@ -91,7 +92,7 @@ class Sampler:
         V = self.vocab_size
 
         def t(vals: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
+            return dev.to_device(torch.tensor(vals, dtype=dtype), device)
 
         greedy = [p.greedy for p in ps]
         return SamplingTensors(
