@@ -169,7 +169,10 @@ def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
     state.async_engine.start()
     s = state.engine.state
     print(f"flatserve {flatserve.__version__}: model {state.model_name} ({s.model.architecture}), "
-          f"dtype {str(s.dtype).replace('torch.', '')}, device {s.device}, backend {s.backend}, "
+          f"dtype {str(s.dtype).replace('torch.', '')}"
+          f"{' (weights ' + cfg.quantization + ')' if cfg.quantization else ''}, device {s.device}, "
+          f"backend {s.backend}{', fused ' + ','.join(sorted(s.fused_ops)) if s.fused_ops else ''}"
+          f"{', async scheduling' if state.engine.async_mode else ''}, "
           f"KV {s.budget.num_blocks - 1} blocks = {s.budget.token_capacity} tokens, "
           f"max_model_len {s.max_model_len}, http://{args.host}:{args.port}", flush=True)
 
