@@ -3,7 +3,7 @@
 Why: a CPU decode step is weight-read bound and torch's bf16 GEMV runs at ~12 GB/s on the dev
 box (a third of its copy bandwidth), while `torch._weight_int8pack_mm` reads half the bytes and
 ran 1.7x (262k x 640 LM head, 1 row: 26.7 -> 15.6 ms) to 5x (640 x 1536, 1 row: 0.36 -> 0.07 ms)
-faster (/tmp micro-benchmark; the end-to-end figures are in docs/benchmarks/cpu.md). Only the int8
+faster (`benchmarks/cpu_gemv.py`; the end-to-end figures are in docs/benchmarks/cpu.md). Only the int8
 copy is kept (weights take half the RAM of bf16); calls with many rows (prefill chunks)
 dequantize 4 MiB slices of rows on the fly and run the dense matmul, so every path computes
 with the same int8 weights and batch size never changes which weights a request sees.
@@ -12,11 +12,10 @@ Error: |w - w_q| <= max|w_row| / 254 per element.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-# At most this many rows use the int8 GEMV kernel; it slowed past ~8 rows in the same
-# micro-benchmark (LM head at 16 rows: 112 ms int8pack vs 47 ms bf16).
+# At most this many rows use the int8 GEMV kernel: at 16 rows it lost to bf16 in
+# benchmarks/cpu_gemv.py (LM head 112 ms int8pack vs 47 ms bf16).
 GEMV_ROWS = 4
 SLICE_BYTES = 4 << 20
 

@@ -161,11 +161,20 @@ def test_greedy_identical_with_speculation(tiny_checkpoint, drafts, mode) -> Non
 def test_stop_string_inside_accepted_drafts(tiny_checkpoint) -> None:
     """A stop string that ends on an accepted draft cuts the tokens accepted after it."""
     _, path, _ = tiny_checkpoint
-    prompt = _prompts(random.randrange(1 << 30))[2]
     probe = LLM(model=str(path), dtype="float32", num_gpu_blocks_override=100)
-    full = probe.generate([prompt], SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)[0]
-    stop = full.outputs[0].text.split()[12]  # a word from the middle of the output
-    sp = SamplingParams(max_tokens=30, temperature=0, stop=[stop])
+    # ignore_eos: a random model may emit eos early, leaving no middle word to stop on (a fresh
+    # prompt once gave fewer than 13 words). Special tokens print no word, so draw until one does.
+    for _ in range(10):
+        prompt = _prompts(random.randrange(1 << 30))[2]
+        full = probe.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                              use_tqdm=False)[0]
+        words = full.outputs[0].text.split()
+        if len(words) > 12:
+            break
+    else:
+        pytest.fail("no fresh prompt gave a 13-word greedy output in 10 draws")
+    stop = words[12]  # a word from the middle of the output
+    sp = SamplingParams(max_tokens=30, temperature=0, stop=[stop], ignore_eos=True)
     ref = probe.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     llm = LLM(model=str(path), dtype="float32", num_gpu_blocks_override=100,
               speculative_method="draft", speculative_model=str(path), num_speculative_tokens=5)

@@ -1,0 +1,32 @@
+"""One-row and 16-row GEMM speed on this CPU per weight format (Gemma 3 270M shapes): bf16 and fp32
+`F.linear`, `torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`. The evidence for
+`--quantization int8` (flatserve/model/quant.py); ms per call, and bf16's effective GB/s.
+
+    .venv/bin/python benchmarks/cpu_gemv.py
+"""
+import torch, time
+torch.manual_seed(0)
+def bench(f, n=20):
+    for _ in range(3): f()
+    t = time.perf_counter()
+    for _ in range(n): f()
+    return (time.perf_counter() - t) / n * 1e3
+for N, K in [(262144, 640), (2048*2, 640), (640, 2048), (1536, 640), (640, 1024)]:
+    W = torch.randn(N, K, dtype=torch.bfloat16)
+    for M in (1, 16):
+        x = torch.randn(M, K, dtype=torch.bfloat16)
+        r = {"bf16": bench(lambda: torch.nn.functional.linear(x, W))}
+        Wf = W.float(); xf = x.float()
+        r["fp32"] = bench(lambda: torch.nn.functional.linear(xf, Wf))
+        s = W.float().abs().amax(1) / 127
+        W8 = (W.float() / s[:, None]).round().to(torch.int8)
+        r["int8pack"] = bench(lambda: torch._weight_int8pack_mm(x, W8, s.to(torch.bfloat16)))
+        try:
+            gs = 32
+            Wi = torch.randint(0, 16, (N, K), dtype=torch.int32)
+            packed = torch._convert_weight_to_int4pack_for_cpu(Wi, 1)
+            sz = torch.randn(K // gs, N, 2, dtype=torch.bfloat16)
+            r["int4pack"] = bench(lambda: torch._weight_int4pack_mm_for_cpu(x, packed, gs, sz))
+        except Exception as e:
+            r["int4pack"] = str(e)[:80]
+        print(N, K, M, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}, f"bf16 GB/s {N*K*2/r['bf16']/1e6:.1f}")
