@@ -110,7 +110,7 @@ def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True, flex: b
     row = {"case": name, "us": t * 1e3, "map_us": t_map * 1e3, "kv_TBps": kv / t / 1e9, "TFLOPs": fl / t / 1e9,
            "floor_us": max(kv / (ceil["copy_GBps"] * 1e9), fl / (ceil["matmul_TFLOPs"] * 1e12)) * 1e6}
     if flex:
-        row.update(flex_case(sets, p, outs, i))
+        row.update(flex_case(sets, p, i))
     if not peer:
         return row
     try:
@@ -129,7 +129,7 @@ def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True, flex: b
     return row
 
 
-def flex_case(sets, p: LayerAttnParams, outs, i) -> dict:
+def flex_case(sets, p: LayerAttnParams, i) -> dict:
     """FlexAttention over the same paged caches (benchmarks/flex_peer.py); its error vs ours."""
     from benchmarks.flex_peer import make_flex_runner
 

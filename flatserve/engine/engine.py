@@ -65,6 +65,7 @@ class Engine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._inflight: tuple[SchedulerOutput, InFlight | None] | None = None  # async only
+        self._history_readers: set[str] = set()  # live parents with penalties (sync steps)
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -109,11 +110,14 @@ class Engine:
             self.scheduler.add_request(child.req)
             self.children[child.req.request_id] = (parent, child)
         self.parents[rid] = parent
+        if params.uses_history:
+            self._history_readers.add(rid)
         self.num_prompt_tokens += len(ids) * params.n
         return rid
 
     def abort(self, request_id: str) -> bool:
         parent = self.parents.pop(request_id, None)
+        self._history_readers.discard(request_id)
         if parent is None:
             return False
         for c in parent.children:
@@ -133,8 +137,9 @@ class Engine:
         so the host's bookkeeping of step N overlaps the GPU's work on N+1; outputs lag a step.
         """
         prev = self._inflight
-        if prev is not None and not self._async_ok():
-            self._inflight = None  # a request needs its full history on the host: drain first
+        if prev is not None and self._history_readers:
+            # Penalties read every earlier output on the host: drain, then step synchronously.
+            self._inflight = None
             return self._finish_step(*prev, emit_unfinished)
         out = self.scheduler.schedule()
         launched = None
@@ -152,13 +157,6 @@ class Engine:
             else:
                 results = self._finish_step(out, launched, emit_unfinished)
         return results
-
-    def _async_ok(self) -> bool:
-        """Penalties read every earlier output token on the host, so they run synchronously."""
-        for r in self.scheduler.running:
-            if r.params.uses_history:
-                return False
-        return not any(r.params.uses_history for r in self.scheduler.waiting)
 
     def _finish_step(self, out: SchedulerOutput, launched: InFlight | None,
                      emit_unfinished: bool) -> list[RequestOutput]:
@@ -190,6 +188,7 @@ class Engine:
                 results.append(self._output(parent))
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
+                self._history_readers.discard(parent.request_id)
                 for c in parent.children:
                     self.children.pop(c.req.request_id, None)
         return results

@@ -110,7 +110,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending and self._ends_by_length(req):
+            if req.num_pending and self._length_reached(req, req.num_pending):
                 i += 1  # its pending token is its last: nothing to compute
                 continue
             known = req.num_tokens + req.num_pending - req.num_computed_tokens
@@ -160,9 +160,10 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted_ids.append(req.request_id)
 
-    def _ends_by_length(self, req: Request) -> bool:
-        return (req.num_output_tokens + req.num_pending >= req.max_tokens
-                or req.num_tokens + req.num_pending >= self.cfg.max_model_len)
+    def _length_reached(self, req: Request, in_flight: int = 0) -> bool:
+        """max_tokens or max_model_len reached once `in_flight` more tokens land."""
+        return (req.num_output_tokens + in_flight >= req.max_tokens
+                or req.num_tokens + in_flight >= self.cfg.max_model_len)
 
     def commit(self, out: SchedulerOutput) -> None:
         """Async: the step is launched; count its tokens computed and its samples pending."""
@@ -212,7 +213,7 @@ class Scheduler:
             if p.stop_token_ids and tok in p.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+        if self._length_reached(req):
             return RequestStatus.FINISHED_LENGTH
         return None
 

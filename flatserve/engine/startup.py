@@ -103,17 +103,20 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     backend = cfg.attention_backend or dev.default_backend(device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
     fused = ops.parse_fused_ops(cfg.fused_ops, backend)
+    if cfg.quantization and device.type != "cpu":
+        raise ValueError(f"quantization {cfg.quantization!r} is a CPU path (int8 GEMV kernel); "
+                         f"the device here is {device.type}")
     src, hf, mcfg = _model_config(cfg.model)
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
     if cfg.quantization:
-        weights = _quantize(model, cfg.quantization, device)
+        weights = _quantize(model, device)
     draft = _load_draft(cfg, mcfg, dtype, device)
-    for m in (model, draft[0] if draft else None):
-        if m is not None:
-            ops.enable(m, fused)
+    ops.enable(model, fused)
+    if draft:
+        ops.enable(draft[0], fused)
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
     dev.release_freed_memory(device)
     elt = torch.empty((), dtype=dtype).element_size()
@@ -156,11 +159,8 @@ def _load_weights(src: ModelSource, hf: Any, mcfg: ModelConfig, dtype: torch.dty
     return model, weights
 
 
-def _quantize(model: torch.nn.Module, method: str, device: torch.device) -> int:
+def _quantize(model: torch.nn.Module, device: torch.device) -> int:
     """Weight-only int8 in place; -> the weights' bytes now (shared tensors counted once)."""
-    if device.type != "cpu":
-        raise ValueError(f"quantization {method!r} is a CPU path (int8 GEMV kernel); "
-                         f"the device here is {device.type}")
     from flatserve.model.quant import quantize_model
 
     quantize_model(model)
@@ -180,7 +180,7 @@ def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, devi
                          f"({target.vocab_size}): the two must share a tokenizer")
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
     if cfg.quantization:
-        weights = _quantize(model, cfg.quantization, device)
+        weights = _quantize(model, device)
     return model, mcfg, weights
 
 

@@ -42,7 +42,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale.to(dtype))  # [N]
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    def dequant(self, rows: slice) -> torch.Tensor:
+    def dequant(self, rows: slice | torch.Tensor) -> torch.Tensor:
         return self.qweight[rows].to(self.scales.dtype) * self.scales[rows, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
@@ -65,7 +65,7 @@ class Int8Embedding(nn.Module):
         self.lin = lin
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        return self.lin.qweight[ids].to(self.lin.scales.dtype) * self.lin.scales[ids, None]
+        return self.lin.dequant(ids)
 
 
 def quantize_model(model: nn.Module) -> None:
