@@ -33,20 +33,25 @@ def run_flatserve(a: argparse.Namespace) -> dict:
     vocab = llm.engine.state.model.vocab_size
     ps = prompts(a.prompts, a.input, vocab)
     params = SamplingParams(max_tokens=a.output, temperature=0, ignore_eos=True)
-    # Warm-up on the workload's own shapes: every prompt's prefill and a few decode steps, so
-    # Triton's compiles (it specialises on argument values, e.g. sequence counts divisible by
-    # 16) are not timed on a fresh machine (64 prompts only left ~1 s of compiles in the run).
-    llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(max_tokens=3, ignore_eos=True),
+    # Warm-up on the workload's shapes (every prefill size, a few decode steps) so Triton's
+    # value-specialised compiles are not timed, but on *other* prompts (seed 1): warming up on
+    # the timed prompts themselves left their prefixes in the prefix cache and skipped most of
+    # the timed prefill (session 3's figures from 2437ccb to this fix were inflated that way).
+    warm = prompts(a.prompts, a.input, vocab, seed=1)
+    llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(max_tokens=3, ignore_eos=True),
                  use_tqdm=False)
     torch.cuda.synchronize()
+    kv = llm.engine.kv
+    hits0 = kv.hit_tokens
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    hits = kv.hit_tokens - hits0  # random prompts share no prefix: must stay 0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     step = decode_step_times(llm, vocab, a)
     return {"wall": wall, "out_tokens": n, "tok_per_s": n / wall, "req_per_s": len(ps) / wall,
             "fused_ops": sorted(llm.engine.state.fused_ops), "async": llm.engine.async_mode,
-            "kv_blocks": llm.engine.state.budget.num_blocks, **step}
+            "kv_blocks": llm.engine.state.budget.num_blocks, "prefix_hit_tokens": hits, **step}
 
 
 def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
@@ -93,7 +98,8 @@ def run_hf(a: argparse.Namespace) -> dict:
     ps = prompts(a.prompts, a.input, model.config.vocab_size)
     cfg = GenerationConfig(max_new_tokens=a.output, min_new_tokens=a.output, do_sample=False,
                            eos_token_id=-1, pad_token_id=0)
-    model.generate_batch(inputs=ps[:8], generation_config=cfg)  # warm-up
+    model.generate_batch(inputs=prompts(8, a.input, model.config.vocab_size, seed=1),
+                         generation_config=cfg)  # warm-up, on prompts other than the timed ones
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = model.generate_batch(inputs=ps, generation_config=cfg)

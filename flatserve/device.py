@@ -27,7 +27,15 @@ def select_device(name: str) -> torch.device:
 
 
 def default_backend(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "torch"
+    """Triton on CUDA; on the CPU the C++ decode kernel where it builds (it needs a C++
+    compiler: the first start compiles it, ~40 s on 2 cores, then it is cached); torch else."""
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu":
+        from flatserve.attention import cpu_backend
+
+        return "cpu" if cpu_backend.available() else "torch"
+    return "torch"
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -29,6 +29,7 @@ class AttentionBackend(Protocol):
 
 _BACKENDS = {
     "torch": ("flatserve.attention.torch_backend", "TorchAttentionBackend"),
+    "cpu": ("flatserve.attention.cpu_backend", "CpuAttentionBackend"),
     "triton": ("flatserve.attention.triton_backend", "TritonAttentionBackend"),
 }
 

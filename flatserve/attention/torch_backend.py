@@ -5,6 +5,8 @@ that sequence's own context: nothing is padded to the batch's longest sequence.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -79,9 +81,17 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] over the paged caches -> [T, Hq, D]; a loop over sequences, not padding."""
     out = torch.empty_like(q)
+    attend_seqs(q, k_cache, v_cache, meta, p, sinks, out, range(meta.num_seqs))
+    return out
+
+
+def attend_seqs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, p: LayerAttnParams, sinks: torch.Tensor | None,
+                out: torch.Tensor, seqs: Iterable[int]) -> None:
+    """Fill out[rows of each sequence in seqs] with its attention over its own paged KV."""
     bs = k_cache.shape[1]
     cu, lens = meta.cu_seqlens_q_host, meta.seq_lens_host
-    for s in range(meta.num_seqs):
+    for s in seqs:
         qs, qe, L = cu[s], cu[s + 1], lens[s]
         if qe == qs:
             continue
@@ -93,4 +103,3 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         kk = k_cache[blocks].flatten(0, 1)[k_start - b0 * bs:L - b0 * bs]  # [L', Hkv, D]
         vv = v_cache[blocks].flatten(0, 1)[k_start - b0 * bs:L - b0 * bs]
         out[qs:qe] = attend_one(q[qs:qe], kk, vv, q_start, k_start, p, sinks)
-    return out
