@@ -75,7 +75,7 @@ class CpuAttentionBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 p: LayerAttnParams, sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode_only:
+        if meta.is_decode_only and q.shape[0] == meta.num_seqs:  # one row per sequence
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks)
         cu = meta.cu_seqlens_q_host
         single = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] == 1]
