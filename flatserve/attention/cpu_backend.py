@@ -29,7 +29,10 @@ _error: str | None = None
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    # -march=native is safe: the build runs on the machine that runs it (and is cached per flags).
+    # -march=native: the build runs on the machine that uses it. torch caches it by source and
+    # flags, not by CPU, so a home directory shared with a different CPU needs
+    # TORCH_EXTENSIONS_DIR set per machine. Apple clang has no -fopenmp: the build fails there
+    # and the torch backend is used (logged).
     arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
     return load(name="flatserve_paged_decode_cpu", sources=[str(_SRC)],
                 extra_cflags=["-O3", "-fopenmp", *arch], extra_ldflags=["-fopenmp"], verbose=False)
