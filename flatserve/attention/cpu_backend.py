@@ -67,6 +67,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             p.softcap or 0.0, empty if sinks is None else sinks)
 
 
+_last_split: tuple[AttentionMetadata, torch.Tensor, torch.Tensor, list[int]] | None = None
+
+
+def _split(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """-> (q rows of one-token sequences, those sequences, the other sequences), found once per
+    step (the metadata is shared by every layer) rather than once per layer."""
+    global _last_split
+    if _last_split is None or _last_split[0] is not meta:
+        cu = meta.cu_seqlens_q_host
+        single = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] == 1]
+        rest = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] > 1]
+        _last_split = (meta, torch.tensor([cu[s] for s in single], dtype=torch.long),
+                       torch.tensor(single, dtype=torch.long), rest)
+    return _last_split[1], _last_split[2], _last_split[3]
+
+
 class CpuAttentionBackend:
     name = "cpu"
 
@@ -80,14 +96,10 @@ class CpuAttentionBackend:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:  # one row per sequence
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks)
-        cu = meta.cu_seqlens_q_host
-        single = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] == 1]
+        rows, idx, rest = _split(meta)
         out = torch.empty_like(q)
-        if single:
-            rows = torch.tensor([cu[s] for s in single])
-            idx = torch.tensor(single)
+        if len(idx):
             out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.block_table[idx],
                                      meta.seq_lens[idx], p, sinks)
-        rest = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] > 1]
         attend_seqs(q, k_cache, v_cache, meta, p, sinks, out, rest)
         return out
