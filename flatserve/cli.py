@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule step N+1 while step N runs (default: on for CUDA)")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="weight-only int8 (CPU): half the weight bytes per decode step")
+    p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto",
+                   help="CPU bf16 linears: oneDNN pre-packed weights (auto where the CPU has "
+                        "native bf16) or plain torch")
     p.add_argument("--fused-ops", default="auto",
                    help="auto | none | comma list of rmsnorm,rope,act (Triton, CUDA only)")
     p.add_argument("--seed", type=int, default=0)
@@ -52,7 +55,9 @@ def engine_config(a: argparse.Namespace, positional_model: str | None = None) ->
         num_gpu_blocks_override=a.num_gpu_blocks_override, os_reserve_gb=a.os_reserve_gb,
         gpu_memory_utilization=a.gpu_memory_utilization,
         enable_prefix_caching=a.enable_prefix_caching, enforce_eager=a.enforce_eager,
-        fused_ops=a.fused_ops, quantization=a.quantization, async_scheduling=a.async_scheduling, seed=a.seed, chat_template=a.chat_template, speculative_method=a.speculative_method,
+        fused_ops=a.fused_ops, quantization=a.quantization, cpu_gemm=a.cpu_gemm,
+        async_scheduling=a.async_scheduling, seed=a.seed, chat_template=a.chat_template,
+        speculative_method=a.speculative_method,
         num_speculative_tokens=a.num_speculative_tokens, speculative_model=a.speculative_model,
         prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max,
         served_model_name=getattr(a, "served_model_name", None))

@@ -38,6 +38,7 @@ class EngineState:
     eos_token_ids: frozenset[int]
     weights_bytes: int
     fused_ops: frozenset[str] = frozenset()  # flatserve/ops kernels swapped in
+    cpu_gemm: str = "torch"  # how linears run: onednn (pre-packed, CPU bf16) | torch
 
     @property
     def max_model_len(self) -> int:
@@ -106,6 +107,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     if cfg.quantization and device.type != "cpu":
         raise ValueError(f"quantization {cfg.quantization!r} is a CPU path (int8 GEMV kernel); "
                          f"the device here is {device.type}")
+    gemm = _cpu_gemm(cfg, device, dtype)
     src, hf, mcfg = _model_config(cfg.model)
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
@@ -113,7 +115,9 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
     if cfg.quantization:
         weights = _quantize(model, device)
-    draft = _load_draft(cfg, mcfg, dtype, device)
+    if gemm == "onednn":
+        weights += _pack(model, device)
+    draft = _load_draft(cfg, mcfg, dtype, device, gemm)
     ops.enable(model, fused)
     if draft:
         ops.enable(draft[0], fused)
@@ -137,7 +141,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     draft_runner = None if draft is None else ModelRunner(
         draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend)
     state = EngineState(mcfg, src, device, dtype, backend, budget,
-                        _eos_ids(mcfg, tokenizer, src), weights, fused)
+                        _eos_ids(mcfg, tokenizer, src), weights, fused, gemm)
     return state, tokenizer, runner, draft_runner
 
 
@@ -170,8 +174,29 @@ def _quantize(model: torch.nn.Module, device: torch.device) -> int:
     return sum(seen.values())
 
 
-def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device
-                ) -> tuple[torch.nn.Module, ModelConfig, int] | None:
+def _cpu_gemm(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """'onednn' where it applies (CPU, bf16 weights not quantized, oneDNN with native bf16)."""
+    from flatserve.model import onednn
+
+    ok = device.type == "cpu" and not cfg.quantization and onednn.available(dtype)
+    if cfg.cpu_gemm == "onednn" and not ok:
+        raise ValueError(f"cpu_gemm 'onednn' needs the CPU, bf16 weights without quantization and "
+                         f"a torch with oneDNN on a CPU with native bf16; here: device "
+                         f"{device.type}, dtype {dtype}, quantization {cfg.quantization}")
+    return "onednn" if ok and cfg.cpu_gemm != "torch" else "torch"
+
+
+def _pack(model: torch.nn.Module, device: torch.device) -> int:
+    """Linears into oneDNN's layout in place; -> bytes added (a tied LM head's second copy)."""
+    from flatserve.model.onednn import pack_linears
+
+    added = pack_linears(model)
+    dev.release_freed_memory(device)
+    return added
+
+
+def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
+                gemm: str) -> tuple[torch.nn.Module, ModelConfig, int] | None:
     if cfg.speculative_method != "draft":
         return None
     src, hf, mcfg = _model_config(cfg.speculative_model)
@@ -181,6 +206,8 @@ def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, devi
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
     if cfg.quantization:
         weights = _quantize(model, device)
+    if gemm == "onednn":
+        weights += _pack(model, device)
     return model, mcfg, weights
 
 
