@@ -56,37 +56,52 @@ def run_flatserve(a: argparse.Namespace) -> dict:
 
 def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
     """Decode-step time at batch 64 and 256 (context = input length), host included: median
-    interval of 30 back-to-back steps, and their mean."""
+    interval of 30 back-to-back steps, and their mean. Stepped as `LLM.generate` steps
+    (`emit_unfinished=False`: no text built for unfinished requests); `..._stream_...` is the
+    same batch stepped as the server steps (every request's text and output object each step)."""
+    from benchmarks.step_breakdown import _copy_bandwidth
+
+    st = llm.engine.state
+    bw = _copy_bandwidth()
+    res = {"copy_GBps": bw / 1e9, "weights_GB": st.weights_bytes / 1e9}
+    for bs in (64, 256):
+        if bs <= a.max_num_seqs:
+            # Memory floor of one step: every weight and every cached K/V byte read once. The
+            # timed steps run at contexts input + 4 .. input + 34: their mean is input + 19.
+            kv = bs * (a.input + 19) * st.model.kv_bytes_per_token * 2  # bf16
+            res[f"floor_ms_b{bs}"] = (st.weights_bytes + kv) / bw * 1e3
+            for emit, tag in ((False, ""), (True, "stream_")):
+                med, mean = _step_gaps(llm.engine, bs, vocab, a.input, emit)
+                res[f"decode_step_{tag}ms_b{bs}"] = med
+                res[f"decode_step_{tag}mean_ms_b{bs}"] = mean
+    return res
+
+
+def _step_gaps(eng, bs: int, vocab: int, ctx: int, emit: bool) -> tuple[float, float]:
     import torch
 
     from flatserve import SamplingParams
 
-    res = {}
-    for bs in (64, 256):
-        if bs > a.max_num_seqs:
-            continue
-        eng = llm.engine
-        for p in prompts(bs, a.input, vocab, seed=bs):
-            eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
-            eng.step()
-        for _ in range(3):
-            eng.step()
-        # Back to back, as a run steps (async scheduling overlaps host and GPU only here): the
-        # interval between step returns is one step in steady state; the median drops a Python
-        # GC pause or an OS hiccup, the mean keeps them.
-        torch.cuda.synchronize()
-        stamps = [time.perf_counter()]
-        for _ in range(30):
-            eng.step()
-            stamps.append(time.perf_counter())
-        torch.cuda.synchronize()
-        gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
-        res[f"decode_step_ms_b{bs}"] = gaps[len(gaps) // 2] * 1e3
-        res[f"decode_step_mean_ms_b{bs}"] = (time.perf_counter() - stamps[0]) / 30 * 1e3
-        while eng.has_unfinished():
-            eng.step()
-    return res
+    for p in prompts(bs, ctx, vocab, seed=bs + emit):  # fresh prompts: no prefix-cache hits
+        eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step(emit)
+    for _ in range(3):
+        eng.step(emit)
+    # Back to back, as a run steps (async scheduling overlaps host and GPU only here): the
+    # interval between step returns is one step in steady state; the median drops a Python
+    # GC pause or an OS hiccup, the mean keeps them.
+    torch.cuda.synchronize()
+    stamps = [time.perf_counter()]
+    for _ in range(30):
+        eng.step(emit)
+        stamps.append(time.perf_counter())
+    torch.cuda.synchronize()
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    mean = (time.perf_counter() - stamps[0]) / 30 * 1e3
+    while eng.has_unfinished():
+        eng.step(emit)
+    return gaps[len(gaps) // 2] * 1e3, mean
 
 
 def run_hf(a: argparse.Namespace) -> dict:

@@ -139,7 +139,9 @@ class Sampler:
         None without drafts, per-row logprobs of the emitted tokens); all on device."""
         logits = self.apply_logits_processors(logits.float(), rows)
         logprobs = logits.log_softmax(-1) if any(n is not None for n in st.num_logprobs) else None
-        tokens = logits.argmax(dim=-1)  # [R]
+        # max(dim).indices, not argmax: same first-index tie rule, 2.5x faster on the CPU
+        # (16 x 262k fp32: 1.6 vs 3.9 ms, dev box).
+        tokens = logits.max(dim=-1).indices  # [R]
         d = st.draft
         accepted = None if d is None else tokens == d  # greedy acceptance
         if not st.all_greedy:
@@ -151,7 +153,7 @@ class Sampler:
                 p_d = probs.gather(1, dd)[:, 0] * has
                 probs = probs.scatter(1, dd, torch.where(has[:, None], 0.0, probs.gather(1, dd)))
                 accepted = torch.where(st.greedy, accepted, u < p_d)
-            drawn = (probs / noise).argmax(dim=-1)  # exponential race = a draw from probs
+            drawn = (probs / noise).max(dim=-1).indices  # exponential race = a draw from probs
             tokens = torch.where(st.greedy, tokens, drawn)
         if accepted is not None:
             tokens = torch.where(accepted, d, tokens)
