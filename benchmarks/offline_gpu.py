@@ -48,10 +48,15 @@ def run_flatserve(a: argparse.Namespace) -> dict:
     wall = time.perf_counter() - t0
     hits = kv.hit_tokens - hits0  # random prompts share no prefix: must stay 0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
+    # Per request (RequestOutput.metrics, host clock): TPOT = (finish - first token) / (n - 1).
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+            for o in outs if len(o.outputs[0].token_ids) > 1]
+    ttft = [o.metrics.time_to_first_token for o in outs]
+    lat = {"mean_tpot_ms": sum(tpot) / len(tpot) * 1e3, "mean_ttft_ms": sum(ttft) / len(ttft) * 1e3}
     step = decode_step_times(llm, vocab, a)
     return {"wall": wall, "out_tokens": n, "tok_per_s": n / wall, "req_per_s": len(ps) / wall,
             "fused_ops": sorted(llm.engine.state.fused_ops), "async": llm.engine.async_mode,
-            "kv_blocks": llm.engine.state.budget.num_blocks, "prefix_hit_tokens": hits, **step}
+            "kv_blocks": llm.engine.state.budget.num_blocks, "prefix_hit_tokens": hits, **lat, **step}
 
 
 def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:

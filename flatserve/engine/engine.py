@@ -1,15 +1,17 @@
 """The step loop: schedule -> one flat forward -> sample -> update -> outputs."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from flatserve.config import EngineConfig
 from flatserve.engine.detokenizer import IncrementalDetokenizer
 from flatserve.engine.kv_manager import KVCacheManager
-from flatserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from flatserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flatserve.engine.request import Request, RequestStatus
 from flatserve.engine.sampler import Logprobs, Sampler
 from flatserve.engine.sampling_params import SamplingParams
@@ -34,6 +36,7 @@ class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    metrics: RequestMetrics
     children: list[_Child] = field(default_factory=list)
 
     @property
@@ -96,7 +99,7 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in flight")
         room = max_len - len(ids)
         max_tokens = min(params.max_tokens or room, room)
-        parent = _Parent(rid, text, ids)
+        parent = _Parent(rid, text, ids, RequestMetrics(time.monotonic()))
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:  # distinct, reproducible samples
@@ -183,10 +186,16 @@ class Engine:
             self.proposer.propose([r for r in self.scheduler.running
                                    if r.num_computed_tokens == r.num_tokens - 1])
         results = []
+        now = time.monotonic()  # one clock read per step: when these tokens reached the host
         for parent in touched.values():
-            if emit_unfinished or parent.finished:
+            done = parent.finished
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            if done:
+                parent.metrics.finished_time = now
+            if emit_unfinished or done:
                 results.append(self._output(parent))
-            if parent.finished:
+            if done:
                 self.parents.pop(parent.request_id, None)
                 self._history_readers.discard(parent.request_id)
                 for c in parent.children:
@@ -225,7 +234,8 @@ class Engine:
                 c.cumulative_logprob if c.logprobs is not None else None, c.logprobs,
                 r.finish_reason, r.stop_reason))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                             parent.finished, max(c.req.num_cached_tokens for c in parent.children))
+                             parent.finished, max(c.req.num_cached_tokens for c in parent.children),
+                             dataclasses.replace(parent.metrics))
 
     # ---------------------------------------------------------------- introspection
     @property

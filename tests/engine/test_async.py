@@ -122,3 +122,23 @@ def test_scheduler_schedules_a_pending_token_once() -> None:
     s.update(out3, {"a": [97]})
     assert req.status.finished and req.output_token_ids == [99, 98, 97]
     assert kv.num_used_blocks == 0 and req.num_pending == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_request_metrics_are_stamped_in_order(tiny_checkpoint, async_scheduling) -> None:
+    """RequestOutput.metrics (vLLM's shape): arrival <= first token <= finish; one-token requests
+    finish on the step of their first token, longer ones strictly later."""
+    _, path, _ = tiny_checkpoint
+    rng = random.Random()
+    reqs = [([rng.randrange(4, 500) for _ in range(rng.randint(1, 100))],
+             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for n in (1, 1, 5, 9, 17)]
+    outs, _ = _run(path, reqs, async_scheduling=async_scheduling)
+    for o, (_, sp) in zip(outs, reqs):
+        m = o.metrics
+        assert m is not None and m.first_token_time is not None and m.finished_time is not None
+        assert m.arrival_time <= m.first_token_time <= m.finished_time
+        assert m.time_to_first_token == m.first_token_time - m.arrival_time
+        if sp.max_tokens == 1:
+            assert m.finished_time == m.first_token_time
+        else:
+            assert m.finished_time > m.first_token_time
