@@ -18,10 +18,11 @@ import torch
 
 from flatserve.attention.base import LayerAttnParams
 from flatserve.attention.metadata import AttentionMetadata
-from flatserve.attention.torch_backend import attend_seqs, write_kv
+from flatserve.attention.torch_backend import attend_seqs, paged_attention_ref, write_kv
 
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+LANES = 16  # the kernel's slice width (kLanes): head sizes must be multiples of it
 _module: ModuleType | None = None
 _error: str | None = None
 
@@ -94,6 +95,8 @@ class CpuAttentionBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 p: LayerAttnParams, sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.shape[-1] % LANES:  # the kernel works in 16-lane slices of the head
+            return paged_attention_ref(q, k_cache, v_cache, meta, p, sinks)
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:  # one row per sequence
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks)
         rows, idx, rest = _split(meta)

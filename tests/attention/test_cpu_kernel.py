@@ -61,15 +61,16 @@ def test_head_sizes_block_sizes_dtypes(d: int, bs: int, dtype: torch.dtype) -> N
     check_decode(_ragged(7, 1, 1200), d=d, bs=bs, dtype=dtype)
 
 
-@pytest.mark.parametrize("window", [None, 64])
-def test_backend_mixed_batch_equals_torch_backend(window: int | None) -> None:
+@pytest.mark.parametrize("window,d", [(None, 64), (64, 64), (None, 40)])  # 40: not 16-lane slices
+def test_backend_mixed_batch_equals_torch_backend(window: int | None, d: int) -> None:
     """Decodes, prefill chunks and verify runs in one call: the kernel takes the one-token rows,
-    the torch loop the rest, and the KV write happens once, as in the torch backend."""
+    the torch loop the rest, and the KV write happens once, as in the torch backend. A head size
+    the kernel cannot slice goes wholly to the torch loop."""
     q_lens = [1, 37, 1, 1, 4, 1, 120]
     seq_lens = [random.randint(n, 600) for n in q_lens]
-    q, kc, vc, meta = make_case(q_lens, seq_lens, 8, 2, 64, 16, torch.float32, device="cpu")
-    k, v = torch.randn(q.shape[0], 2, 64), torch.randn(q.shape[0], 2, 64)
-    p = LayerAttnParams(64 ** -0.5, window)
+    q, kc, vc, meta = make_case(q_lens, seq_lens, 8, 2, d, 16, torch.float32, device="cpu")
+    k, v = torch.randn(q.shape[0], 2, d), torch.randn(q.shape[0], 2, d)
+    p = LayerAttnParams(d ** -0.5, window)
     kc2, vc2 = kc.clone(), vc.clone()
     out = cpu_backend.CpuAttentionBackend().forward(q, k, v, kc, vc, meta, p)
     ref = TorchAttentionBackend().forward(q, k, v, kc2, vc2, meta, p)
