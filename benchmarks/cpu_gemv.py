@@ -1,10 +1,14 @@
 """One-row and 16-row GEMM speed on this CPU per weight format (Gemma 3 270M shapes): bf16 and fp32
-`F.linear`, `torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`. The evidence for
-`--quantization int8` (flatserve/model/quant.py); ms per call, and bf16's effective GB/s.
+`F.linear`, bf16 on oneDNN's pre-packed weight (`onednn`, flatserve/model/onednn.py),
+`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`. The evidence for
+`--cpu-gemm` and `--quantization int8` (flatserve/model/quant.py); ms per call, and bf16's
+effective GB/s.
 
     .venv/bin/python benchmarks/cpu_gemv.py
 """
-import torch, time
+import sys, time
+sys.path.insert(0, ".")
+import torch
 torch.manual_seed(0)
 def bench(f, n=20):
     for _ in range(3): f()
@@ -13,9 +17,12 @@ def bench(f, n=20):
     return (time.perf_counter() - t) / n * 1e3
 for N, K in [(262144, 640), (2048*2, 640), (640, 2048), (1536, 640), (640, 1024)]:
     W = torch.randn(N, K, dtype=torch.bfloat16)
-    for M in (1, 16):
+    for M in (1, 16) if N > 100_000 else (1, 16, 512):  # 512 rows: a prefill chunk
         x = torch.randn(M, K, dtype=torch.bfloat16)
         r = {"bf16": bench(lambda: torch.nn.functional.linear(x, W))}
+        from flatserve.model.onednn import OneDNNLinear
+        lin = OneDNNLinear(W, None)
+        r["onednn"] = bench(lambda: lin(x))
         Wf = W.float(); xf = x.float()
         r["fp32"] = bench(lambda: torch.nn.functional.linear(xf, Wf))
         s = W.float().abs().amax(1) / 127

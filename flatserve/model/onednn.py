@@ -1,13 +1,13 @@
 """bf16 linears on the CPU through oneDNN's pre-packed weight layout (`cpu_gemm="onednn"`).
 
-Why: a CPU decode step is weight-read bound, and `F.linear` in bf16 reads the weights at about a
-third of this box's copy bandwidth. The same GEMM on a weight reordered once into oneDNN's
-blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezing
-uses) ran 1.2-2x faster at every row count tried: Gemma 3's 262k x 640 LM head 36.8 -> 18.2 ms
-at 1 row and 33.3 -> 19.0 ms at 16 rows, 4096 x 640 0.44 -> 0.34 ms at 1 row, and still
-2.44 -> 2.27 ms at 512 rows (`benchmarks/cpu_gemv.py`, dev box, AMX). Same error against a
-float64 reference as `F.linear` (both accumulate in fp32). In fp32 it was slower at 1-3 rows,
-so only bf16 weights are packed.
+Why: a CPU decode step is weight-read bound, and `F.linear` in bf16 reads the weights at under
+half of this box's copy bandwidth. The same GEMM on a weight reordered once into oneDNN's blocked
+layout (`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezing uses) ran
+1.1-2.5x faster at 1 and 16 rows (`benchmarks/cpu_gemv.py`, dev box with AMX: Gemma 3's 262k x
+640 LM head 28.6 -> 17.1 ms at 1 row, 29.6 -> 18.8 ms at 16; 640 x 2048 0.30 -> 0.12 ms at 1
+row) and about even at 512 rows (0.78-1.0x: prefill chunks are compute-bound either way). Same
+error against a float64 reference as `F.linear` (both accumulate in fp32). In fp32 it was slower
+at 1-3 rows, so only bf16 weights are packed. End to end: docs/benchmarks/cpu.md, session 5.
 
 Memory: the packed weight replaces the plain one, except where the LM head is tied to the
 embedding: the embedding keeps its plain rows for the lookup, so that one matrix is held twice
