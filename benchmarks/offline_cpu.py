@@ -26,12 +26,15 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(L)) for L in lens[:n]]
 
 
-def run_flatserve(prompts: list[str], max_tokens: int, dtype: str, quantization: str | None = None,
-                  cpu_gemm: str = "auto") -> dict:
+# Engine variants: flatserve with one engine argument changed, for same-run A/Bs.
+VARIANTS = {"flatserve": {}, "flatserve-int8": {"quantization": "int8"},
+            "flatserve-torchgemm": {"cpu_gemm": "torch"}, "flatserve-unfused": {"fused_ops": "none"}}
+
+
+def run_flatserve(prompts: list[str], max_tokens: int, dtype: str, **engine_kw) -> dict:
     from flatserve import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, kv_cache_memory=512 * 2**20, max_model_len=4096, quantization=quantization,
-              cpu_gemm=cpu_gemm)
+    llm = LLM(dtype=dtype, kv_cache_memory=512 * 2**20, max_model_len=4096, **engine_kw)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm
     t0 = time.perf_counter()
@@ -39,7 +42,8 @@ def run_flatserve(prompts: list[str], max_tokens: int, dtype: str, quantization:
     wall = time.perf_counter() - t0
     return {"wall": wall, "out_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-            "dtype": str(llm.engine.state.dtype), "cpu_gemm": llm.engine.state.cpu_gemm}
+            "dtype": str(llm.engine.state.dtype), "cpu_gemm": llm.engine.state.cpu_gemm,
+            "fused_ops": sorted(llm.engine.state.fused_ops)}
 
 
 def run_transformers(prompts: list[str], max_tokens: int, dtype: str) -> dict:
@@ -96,10 +100,8 @@ def _child(args: argparse.Namespace) -> None:
     prompts = make_prompts(args.level)
     if args.engine == "transformers":
         res = run_transformers(prompts, args.max_tokens, args.dtype)
-    else:  # flatserve | flatserve-int8 (--quantization int8) | flatserve-torchgemm (--cpu-gemm torch)
-        res = run_flatserve(prompts, args.max_tokens, args.dtype,
-                            "int8" if args.engine == "flatserve-int8" else None,
-                            "torch" if args.engine == "flatserve-torchgemm" else "auto")
+    else:
+        res = run_flatserve(prompts, args.max_tokens, args.dtype, **VARIANTS[args.engine])
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -142,7 +144,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--engines", default="flatserve,transformers",
-                    help="comma list of flatserve, flatserve-int8, flatserve-torchgemm, transformers")
+                    help="comma list of transformers and " + ", ".join(VARIANTS))
     ap.add_argument("--out", default="bench_out/offline_cpu.json")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--engine")

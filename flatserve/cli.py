@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU bf16 linears: oneDNN pre-packed weights (auto where the CPU has "
                         "native bf16) or plain torch")
     p.add_argument("--fused-ops", default="auto",
-                   help="auto | none | comma list of rmsnorm,rope,act (Triton, CUDA only)")
+                   help="auto | none | comma list of rmsnorm,rope,act (Triton on CUDA, C++ on the CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="Jinja file overriding the model's")
     p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)

@@ -48,6 +48,31 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def build_cpu_extension(name: str, source: str) -> object:
+    """Compile one C++ source into a module with this machine's compiler (cached by torch under
+    ~/.cache/torch_extensions); raises where there is no compiler/ninja/headers.
+
+    -march=native: the build runs on the machine that uses it. torch caches by source and flags,
+    not by CPU, so a home directory shared with a different CPU needs TORCH_EXTENSIONS_DIR set
+    per machine. Apple clang has no -fopenmp: the build fails there and callers fall back."""
+    import platform
+
+    from torch.utils.cpp_extension import load
+
+    arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
+    # -fno-trapping-math: without it GCC keeps any loop with a float -> int conversion (the
+    # kernels' exp) scalar, since the conversion could raise an FP exception nobody reads here.
+    return load(name=name, sources=[source],
+                extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *arch],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def build_error(e: Exception) -> str:
+    """The one line of a failed build worth logging."""
+    lines = [x for x in str(e).splitlines() if "error" in x.lower()] or [repr(e)]
+    return lines[-1].strip()[:300]
+
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 

@@ -1,4 +1,5 @@
-"""Triton fused ops (flatserve/ops) against the torch layers they replace (CUDA only)."""
+"""Fused ops (flatserve/ops) against the torch layers they replace: the Triton kernels on CUDA,
+the C++ ones on the CPU (each implementation skipped where it cannot run)."""
 from __future__ import annotations
 
 import random
@@ -10,8 +11,29 @@ import torch.nn.functional as F
 from flatserve.model.config import RopeConfig
 from flatserve.model.layers import RMSNorm, Rotary
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _cpu_ops_built() -> bool:
+    from flatserve.ops import cpu_ops
+
+    return cpu_ops.available()
+
+
+@pytest.fixture(params=["triton", "cpu"])
+def impl(request):
+    """-> (the ops module, its device)."""
+    if request.param == "triton":
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        from flatserve.ops import triton_ops
+
+        return triton_ops, "cuda"
+    if not _cpu_ops_built():
+        pytest.skip("the C++ fused ops did not build here")
+    from flatserve.ops import cpu_ops
+
+    return cpu_ops, "cpu"
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -27,15 +49,15 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("hidden", [640, 1024, 4096])
-def test_rms_norm(dtype, offset, hidden) -> None:
-    from flatserve.ops.triton_ops import rms_norm
-
+def test_rms_norm(impl, dtype, offset, hidden) -> None:
+    ops, dev = impl
+    rms_norm = ops.rms_norm
     n = random.randint(1, 300)
-    norm = RMSNorm(hidden, 1e-6, offset).cuda().to(dtype)
+    norm = RMSNorm(hidden, 1e-6, offset).to(dev, dtype)
     norm.weight.data.normal_(0.0, 0.5)
-    base = torch.randn(n, hidden + 64, device="cuda", dtype=dtype) * 3
+    base = torch.randn(n, hidden + 64, device=dev, dtype=dtype) * 3
     x = base[:, :hidden]  # rows with a stride wider than the row (a view)
-    res = torch.randn(n, hidden, device="cuda", dtype=dtype)
+    res = torch.randn(n, hidden, device=dev, dtype=dtype)
     _close(rms_norm(x, norm.weight, norm.eps, bool(offset)), norm(x), dtype)
     ref_y, ref_r = norm(x, res)
     res_fused = res.clone()
@@ -47,18 +69,18 @@ def test_rms_norm(dtype, offset, hidden) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,hq,hkv,norm,offset", [
     (128, 16, 8, True, 0.0), (64, 8, 1, False, 0.0), (256, 4, 1, True, 1.0), (128, 32, 8, False, 0.0)])
-def test_qk_norm_rope(dtype, head_dim, hq, hkv, norm, offset) -> None:
-    from flatserve.ops.triton_ops import qk_norm_rope
-
+def test_qk_norm_rope(impl, dtype, head_dim, hq, hkv, norm, offset) -> None:
+    ops, dev = impl
+    qk_norm_rope = ops.qk_norm_rope
     T = random.randint(1, 200)
-    rot = Rotary(RopeConfig(theta=random.choice([1e4, 1e6])), head_dim).cuda()
-    qkv = torch.randn(T, (hq + 2 * hkv) * head_dim, device="cuda", dtype=dtype) * 2
+    rot = Rotary(RopeConfig(theta=random.choice([1e4, 1e6])), head_dim).to(dev)
+    qkv = torch.randn(T, (hq + 2 * hkv) * head_dim, device=dev, dtype=dtype) * 2
     q, k, _ = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1)
     q, k = q.view(T, hq, head_dim), k.view(T, hkv, head_dim)  # views, as in Attention.forward
-    pos = torch.randint(0, 5000, (T,), device="cuda")
+    pos = torch.randint(0, 5000, (T,), device=dev)
     qn, kn = RMSNorm(head_dim, 1e-6, offset), RMSNorm(head_dim, 1e-6, offset)
     for m in (qn, kn):
-        m.to("cuda", dtype).weight.data.normal_(0.0, 0.5)
+        m.to(dev, dtype).weight.data.normal_(0.0, 0.5)
     rq, rk = (qn(q), kn(k)) if norm else (q, k)
     rq, rk = rot(pos, rq, rk, 4999)
     table = rot.table(5000)
@@ -71,20 +93,25 @@ def test_qk_norm_rope(dtype, head_dim, hq, hkv, norm, offset) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("inter", [2048, 3072, 14336, 100])
-def test_act_and_mul(dtype, act, inter) -> None:
-    from flatserve.ops.triton_ops import act_and_mul
-
+def test_act_and_mul(impl, dtype, act, inter) -> None:
+    ops, dev = impl
+    act_and_mul = ops.act_and_mul
     T = random.randint(1, 100)
-    x = torch.randn(T, 2 * inter, device="cuda", dtype=dtype) * 3
+    x = torch.randn(T, 2 * inter, device=dev, dtype=dtype) * 3
     g, u = x.chunk(2, -1)
     ref = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
     _close(act_and_mul(x, act), ref, dtype)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
-def test_fused_model_matches_unfused(family, tmp_path) -> None:
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_fused_model_matches_unfused(backend, family, tmp_path) -> None:
     """The residual wiring and every op in a whole model: fp32 first-token logprobs of ragged
-    prompts agree to 1e-4 with fused ops on and off (same Triton attention)."""
+    prompts agree to 1e-4 with fused ops on and off (same attention backend)."""
+    if backend == "triton" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if backend == "cpu" and not _cpu_ops_built():
+        pytest.skip("the C++ fused ops did not build here")
     from flatserve import LLM, SamplingParams
     from tests.conftest import build_checkpoint
 
@@ -94,7 +121,7 @@ def test_fused_model_matches_unfused(family, tmp_path) -> None:
     sp = SamplingParams(max_tokens=4, temperature=0, logprobs=5, ignore_eos=True)
     outs = []
     for fused in ("auto", "none"):
-        llm = LLM(model=str(path), dtype="float32", attention_backend="triton", fused_ops=fused,
+        llm = LLM(model=str(path), dtype="float32", attention_backend=backend, fused_ops=fused,
                   kv_cache_memory=2**28, max_model_len=512)
         assert llm.engine.state.fused_ops == (frozenset({"rmsnorm", "rope", "act"}) if fused == "auto"
                                               else frozenset())

@@ -10,12 +10,12 @@ the torch backend instead.
 from __future__ import annotations
 
 import logging
-import platform
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from flatserve import device as dev
 from flatserve.attention.base import LayerAttnParams
 from flatserve.attention.metadata import AttentionMetadata
 from flatserve.attention.torch_backend import attend_seqs, paged_attention_ref, write_kv
@@ -27,27 +27,14 @@ _module: ModuleType | None = None
 _error: str | None = None
 
 
-def _build() -> ModuleType:
-    from torch.utils.cpp_extension import load
-
-    # -march=native: the build runs on the machine that uses it. torch caches it by source and
-    # flags, not by CPU, so a home directory shared with a different CPU needs
-    # TORCH_EXTENSIONS_DIR set per machine. Apple clang has no -fopenmp: the build fails there
-    # and the torch backend is used (logged).
-    arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
-    return load(name="flatserve_paged_decode_cpu", sources=[str(_SRC)],
-                extra_cflags=["-O3", "-fopenmp", *arch], extra_ldflags=["-fopenmp"], verbose=False)
-
-
 def kernel() -> ModuleType | None:
     """The compiled module, built once per process (None, with the reason logged, if it fails)."""
     global _module, _error
     if _module is None and _error is None:
         try:
-            _module = _build()
+            _module = dev.build_cpu_extension("flatserve_paged_decode_cpu", str(_SRC))
         except Exception as e:  # no compiler, no ninja, headers missing: fall back, say why
-            lines = [x for x in str(e).splitlines() if "error" in x.lower()] or [repr(e)]
-            _error = lines[-1].strip()[:300]
+            _error = dev.build_error(e)
             log.warning("CPU paged-decode kernel unavailable (%s); using the torch backend", _error)
     return _module
 

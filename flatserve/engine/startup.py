@@ -118,9 +118,9 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     if gemm == "onednn":
         weights += _pack(model, device)
     draft = _load_draft(cfg, mcfg, dtype, device, gemm)
-    ops.enable(model, fused)
+    ops.enable(model, fused, backend)
     if draft:
-        ops.enable(draft[0], fused)
+        ops.enable(draft[0], fused, backend)
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
     dev.release_freed_memory(device)
     elt = torch.empty((), dtype=dtype).element_size()

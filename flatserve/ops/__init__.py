@@ -1,9 +1,10 @@
-"""Fused ops, chosen by name: the torch layers run by default; `enable` swaps in Triton kernels.
+"""Fused ops, chosen by name: the torch layers run by default; `enable` swaps in kernels.
 
 Names: "rmsnorm" (RMSNorm with the residual add folded in), "rope" (per-head q/k RMSNorm +
-rotary, in place), "act" (SiLU / GELU-tanh and the gate*up product). "auto" = all three where
-the attention backend is Triton (CUDA), none elsewhere. Each is measured on its own in
-docs/benchmarks/gpu.md (`benchmarks/offline_gpu.py --fused-ops ...`).
+rotary, in place), "act" (SiLU / GELU-tanh and the gate*up product). They follow the attention
+backend: Triton kernels with "triton" (CUDA; `triton_ops`), C++ ones with "cpu" (`cpu_ops`,
+where they compile), none with "torch" (the reference path). "auto" = all three where there is
+an implementation. Measured in docs/benchmarks/gpu.md and cpu.md.
 """
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from torch import nn
 FUSED_OPS = ("rmsnorm", "rope", "act")
 
 
+IMPLEMENTED = ("triton", "cpu")  # backends with fused kernels beside them
+
+
 def parse_fused_ops(spec: str, backend: str) -> frozenset[str]:
     """'auto' | 'none' | comma list of FUSED_OPS -> the set to enable (ValueError on a typo)."""
     if spec == "auto":
-        return frozenset(FUSED_OPS) if backend == "triton" else frozenset()
+        return frozenset(FUSED_OPS) if _available(backend) else frozenset()
     if spec in ("none", ""):
         return frozenset()
     names = frozenset(s.strip() for s in spec.split(","))
@@ -23,23 +27,36 @@ def parse_fused_ops(spec: str, backend: str) -> frozenset[str]:
     if bad:
         raise ValueError(f"unknown fused op(s) {', '.join(bad)}; choose from {', '.join(FUSED_OPS)}, "
                          f"auto or none")
-    if backend != "triton":
-        raise ValueError(f"fused ops {', '.join(sorted(names))} need the triton backend (CUDA), "
-                         f"not {backend!r}")
+    if not _available(backend):
+        raise ValueError(f"fused ops {', '.join(sorted(names))} need the triton (CUDA) or cpu "
+                         f"(C++) attention backend with its kernels built, not {backend!r}")
     return names
 
 
-def enable(model: nn.Module, names: frozenset[str]) -> None:
-    """Point each layer at its Triton kernel (None keeps the torch reference)."""
+def _available(backend: str) -> bool:
+    if backend == "triton":
+        return True
+    if backend == "cpu":
+        from flatserve.ops import cpu_ops
+
+        return cpu_ops.available()
+    return False
+
+
+def enable(model: nn.Module, names: frozenset[str], backend: str) -> None:
+    """Point each layer at its fused kernel for `backend` (None keeps the torch reference)."""
     if not names:
         return
     from flatserve.model.layers import Attention, GatedMLP, RMSNorm
-    from flatserve.ops import triton_ops
 
+    if backend == "triton":
+        from flatserve.ops import triton_ops as impl
+    else:
+        from flatserve.ops import cpu_ops as impl
     for m in model.modules():
         if isinstance(m, RMSNorm) and "rmsnorm" in names:
-            m.fused = triton_ops.rms_norm
+            m.fused = impl.rms_norm
         elif isinstance(m, Attention) and "rope" in names:
-            m.fused = triton_ops.qk_norm_rope
-        elif isinstance(m, GatedMLP) and "act" in names and m.act_name in triton_ops.ACTS:
-            m.fused = triton_ops.act_and_mul
+            m.fused = impl.qk_norm_rope
+        elif isinstance(m, GatedMLP) and "act" in names and m.act_name in impl.ACTS:
+            m.fused = impl.act_and_mul

@@ -1,0 +1,57 @@
+"""Fused element-wise C++ ops for the CPU path, same signatures as `triton_ops`; the torch layers
+are their reference. Built on first use from `csrc/fused_cpu.cpp` (cached); where the build
+fails, `available()` is False and `--fused-ops auto` enables nothing on the CPU (logged)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from flatserve import device as dev
+
+log = logging.getLogger(__name__)
+_SRC = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
+_module: ModuleType | None = None
+_error: str | None = None
+ACTS = ("silu", "gelu_pytorch_tanh")
+
+
+def module() -> ModuleType | None:
+    global _module, _error
+    if _module is None and _error is None:
+        try:
+            _module = dev.build_cpu_extension("flatserve_fused_cpu", str(_SRC))
+        except Exception as e:  # no compiler: the torch layers run instead
+            _error = dev.build_error(e)
+            log.warning("CPU fused ops unavailable (%s); using the torch layers", _error)
+    return _module
+
+
+def available() -> bool:
+    return module() is not None
+
+
+_EMPTY = torch.empty(0)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H] -> [N, H]. With `residual`: residual += x in place first, then its norm."""
+    return module().rms_norm(x, w, eps, offset, _EMPTY if residual is None else residual)
+
+
+def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    """x [T, 2I] = gate | up -> act(gate) * up [T, I]."""
+    assert act in ACTS
+    return module().act_and_mul(x, act == "gelu_pytorch_tanh")
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float,
+                 offset: bool) -> None:
+    """In place on q [T, Hq, D] and k [T, Hkv, D]: optional per-head RMSNorm, neox rotary."""
+    norm = q_w is not None
+    module().qk_norm_rope(q, k, positions.contiguous(), cos_sin, q_w if norm else _EMPTY,
+                          k_w if norm else _EMPTY, eps, norm, offset)

@@ -1,0 +1,249 @@
+// Fused element-wise ops for the CPU path: the counterparts of flatserve/ops/triton_ops.py.
+//
+// Why: in bf16 every torch op is its own pass over memory with a conversion each way; a Gemma
+// prefill step spent about half its time in them (RMSNorm alone is cast, pow, mean, add, rsqrt,
+// mul, mul, cast; docs/benchmarks/cpu.md, session 5). Each function here reads its rows once,
+// works in fp32, and rounds to the model dtype exactly where the torch layer rounds, so it
+// matches the torch reference up to summation order (tests/test_fused_ops_cpu.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// Loads, stores and rounding per storage type, all inline and branch-free so the row loops
+// vectorise (a runtime dtype switch inside them kept them scalar: 2x slower than torch).
+template <typename T> struct Cv;
+template <> struct Cv<float> {
+  static float ld(const float* p, int64_t i) { return p[i]; }
+  static float rnd(float x) { return x; }
+  static void st(float* p, int64_t i, float x) { p[i] = x; }
+};
+template <> struct Cv<at::BFloat16> {
+  static float ld(const at::BFloat16* p, int64_t i) {
+    const uint32_t b = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+    float x;
+    std::memcpy(&x, &b, 4);
+    return x;
+  }
+  // Round to nearest even on the bits (as a torch op storing a bf16 result); finite values.
+  static float rnd(float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&x, &b, 4);
+    return x;
+  }
+  static void st(at::BFloat16* p, int64_t i, float x) {  // x already rounded: keep the top half
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(b >> 16);
+  }
+};
+template <> struct Cv<at::Half> {
+  static float ld(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+  static float rnd(float x) { return static_cast<float>(static_cast<at::Half>(x)); }
+  static void st(at::Half* p, int64_t i, float x) { p[i] = static_cast<at::Half>(x); }
+};
+
+// exp for any finite x, vectorisable (2^i * 2^f, degree-6 polynomial; relative error ~1e-7).
+inline float vexp(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 2.1871262307292775e-4f;
+  p = p * f + 1.2382415543543816e-3f;
+  p = p * f + 9.686186289582578e-3f;
+  p = p * f + 5.5478912463380964e-2f;
+  p = p * f + 2.40231096761393e-1f;
+  p = p * f + 6.931468377007519e-1f;
+  p = p * f + 1.000000006158204f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
+  float s;
+  std::memcpy(&s, &bits, 4);
+  return p * s;
+}
+
+// One row: [r += x]; y = norm(r or x) (w * round(x * inv), or round(x * inv * (1 + w))).
+template <typename T>
+void norm_row(const T* x, T* r, const T* w, T* y, int64_t n, float eps, bool offset, float* buf) {
+  using C = Cv<T>;
+  float ss = 0.f;
+  if (r != nullptr) {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = C::rnd(C::ld(x, i) + C::ld(r, i));  // torch's add rounds once
+      buf[i] = v;
+      ss += v * v;
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) C::st(r, i, buf[i]);
+  } else {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) {
+      buf[i] = C::ld(x, i);
+      ss += buf[i] * buf[i];
+    }
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  if (offset) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) C::st(y, i, C::rnd(buf[i] * inv * (1.f + C::ld(w, i))));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) C::st(y, i, C::rnd(C::ld(w, i) * C::rnd(buf[i] * inv)));
+  }
+}
+
+template <typename T>
+void rms_norm_t(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, at::Tensor* res,
+                double eps, bool offset) {
+  const int64_t N = x.size(0), H = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  T* rp = res != nullptr ? res->data_ptr<T>() : nullptr;
+  const int64_t sx = x.stride(0), sr = res != nullptr ? res->stride(0) : 0;
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(H);
+    for (int64_t i = b; i < e; ++i)
+      norm_row<T>(xp + i * sx, rp ? rp + i * sr : nullptr, wp, yp + i * H, H,
+                  static_cast<float>(eps), offset, buf.data());
+  });
+}
+
+template <typename T, bool GELU>
+void act_row(const T* g, const T* u, T* y, int64_t I) {
+  using C = Cv<T>;
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float a = C::ld(g, i);
+    float act;
+    if (GELU) {  // tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1)
+      const float z = 0.7978845608028654f * (a + 0.044715f * a * a * a);
+      act = 0.5f * a * (2.f - 2.f / (vexp(2.f * z) + 1.f));
+    } else {  // silu
+      act = a / (1.f + vexp(-a));
+    }
+    C::st(y, i, C::rnd(C::rnd(act) * C::ld(u, i)));
+  }
+}
+
+template <typename T>
+void act_mul_t(const at::Tensor& x, at::Tensor& y, bool gelu) {
+  const int64_t N = x.size(0), I = x.size(1) / 2, sx = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, N, 4, [&](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) {
+      if (gelu) act_row<T, true>(xp + row * sx, xp + row * sx + I, yp + row * I, I);
+      else act_row<T, false>(xp + row * sx, xp + row * sx + I, yp + row * I, I);
+    }
+  });
+}
+
+// In place on one head [2 * half]: optional RMSNorm, then neox rotary from cos/sin rows.
+template <typename T>
+void rope_head(T* h, const T* w, const float* cosp, const float* sinp, int64_t half, float eps,
+               bool norm, bool offset, float* buf) {
+  using C = Cv<T>;
+  const int64_t d = 2 * half;
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < d; ++i) {
+    buf[i] = C::ld(h, i);
+    ss += buf[i] * buf[i];
+  }
+  if (norm) {
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    if (offset) {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) buf[i] = C::rnd(buf[i] * inv * (1.f + C::ld(w, i)));
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) buf[i] = C::rnd(C::ld(w, i) * C::rnd(buf[i] * inv));
+    }
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = C::rnd(cosp[i]), s = C::rnd(sinp[i]);  // torch casts the table first
+    const float x1 = buf[i], x2 = buf[half + i];
+    C::st(h, i, C::rnd(C::rnd(x1 * c) + C::rnd(-x2 * s)));
+    C::st(h, half + i, C::rnd(C::rnd(x2 * c) + C::rnd(x1 * s)));
+  }
+}
+
+template <typename T>
+void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Tensor& cs,
+               const at::Tensor& qw, const at::Tensor& kw, double eps, bool norm, bool offset) {
+  const int64_t T_ = q.size(0), Hq = q.size(1), Hk = k.size(1), d = q.size(2), P = cs.size(1);
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* cp = cs.data_ptr<float>();
+  const T* qwp = norm ? qw.data_ptr<T>() : nullptr;
+  const T* kwp = norm ? kw.data_ptr<T>() : nullptr;
+  at::parallel_for(0, T_, 8, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(d);
+    for (int64_t t = b; t < e; ++t) {
+      const float* cosp = cp + pp[t] * d;
+      const float* sinp = cp + (P + pp[t]) * d;
+      for (int64_t h = 0; h < Hq; ++h)
+        rope_head<T>(qp + t * q.stride(0) + h * q.stride(1), qwp, cosp, sinp, d / 2,
+                     static_cast<float>(eps), norm, offset, buf.data());
+      for (int64_t h = 0; h < Hk; ++h)
+        rope_head<T>(kp + t * k.stride(0) + h * k.stride(1), kwp, cosp, sinp, d / 2,
+                     static_cast<float>(eps), norm, offset, buf.data());
+    }
+  });
+}
+
+#define DISPATCH(dt, CALL)                                                               \
+  switch (dt) {                                                                          \
+    case at::kFloat: { using T = float; CALL; break; }                                   \
+    case at::kBFloat16: { using T = at::BFloat16; CALL; break; }                         \
+    case at::kHalf: { using T = at::Half; CALL; break; }                                 \
+    default: TORCH_CHECK(false, "fused CPU ops: dtype must be float32, bfloat16 or float16"); \
+  }
+
+}  // namespace
+
+// x [N, H] (rows contiguous), w [H]; residual [N, H] or empty (then updated in place: r += x).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool offset,
+                    at::Tensor residual) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+              "rms_norm: x [N, H] with contiguous rows, w [H] of x's dtype");
+  at::Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
+  const bool has_res = residual.numel() > 0;
+  TORCH_CHECK(!has_res || (residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type()),
+              "rms_norm: residual [N, H] with contiguous rows, x's dtype");
+  DISPATCH(x.scalar_type(), rms_norm_t<T>(x, w, y, has_res ? &residual : nullptr, eps, offset));
+  return y;
+}
+
+// x [N, 2I] = gate | up -> act(gate) * up [N, I].
+at::Tensor act_and_mul(const at::Tensor& x, bool gelu) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "act_and_mul: x [N, 2I]");
+  at::Tensor y = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  DISPATCH(x.scalar_type(), act_mul_t<T>(x, y, gelu));
+  return y;
+}
+
+// In place on q [T, Hq, D], k [T, Hk, D] (last dim contiguous); table [2, P, D] fp32.
+void qk_norm_rope(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& table,
+                  const at::Tensor& q_w, const at::Tensor& k_w, double eps, bool norm, bool offset) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && table.scalar_type() == at::kFloat &&
+              table.is_contiguous() && positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "qk_norm_rope: q/k rows contiguous, fp32 table, int64 positions");
+  DISPATCH(q.scalar_type(), qk_rope_t<T>(q, k, positions, table, q_w, k_w, eps, norm, offset));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("rms_norm", &rms_norm, "RMSNorm with an optional residual add folded in");
+  mod.def("act_and_mul", &act_and_mul, "SiLU/GELU-tanh(gate) * up");
+  mod.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + neox rotary, in place");
+}
