@@ -38,6 +38,19 @@ def default_backend(device: torch.device) -> str:
     return "torch"
 
 
+# Attention backends tied to one device type ("torch" runs anywhere).
+_BACKEND_DEVICE = {"triton": "cuda", "cpu": "cpu"}
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """A backend named for another device is refused before anything loads (the C++ kernels
+    would read CUDA memory from the host; Triton cannot run on the CPU)."""
+    need = _BACKEND_DEVICE.get(backend)
+    if need is not None and device.type != need:
+        raise ValueError(f"attention backend {backend!r} runs on {need}, but the device is "
+                         f"{device.type}; use --attention-backend torch or --device {need}")
+
+
 def cpu_has_fast_bf16() -> bool:
     """AMX or AVX512-BF16: bf16 matmuls beat fp32. Without them bf16 is emulated and slower."""
     try:

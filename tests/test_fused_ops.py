@@ -122,6 +122,7 @@ def test_fused_model_matches_unfused(backend, family, tmp_path) -> None:
     outs = []
     for fused in ("auto", "none"):
         llm = LLM(model=str(path), dtype="float32", attention_backend=backend, fused_ops=fused,
+                  device="cuda" if backend == "triton" else "cpu",
                   kv_cache_memory=2**28, max_model_len=512)
         assert llm.engine.state.fused_ops == (frozenset({"rmsnorm", "rope", "act"}) if fused == "auto"
                                               else frozenset())

@@ -18,3 +18,10 @@ def test_bad_names_and_backends_are_refused() -> None:
         parse_fused_ops("rmsnrom", "triton")
     with pytest.raises(ValueError, match="need the triton .CUDA. or cpu"):
         parse_fused_ops("act", "torch")
+
+
+def test_a_backend_on_the_wrong_device_is_refused_before_loading() -> None:
+    from flatserve import LLM
+
+    with pytest.raises(ValueError, match="attention backend 'triton' runs on cuda, but the device is cpu"):
+        LLM(model="/nonexistent/model", device="cpu", attention_backend="triton")

@@ -102,6 +102,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     """-> state, tokenizer, target runner, draft runner (speculative_method 'draft' only)."""
     device = dev.select_device(cfg.device)
     backend = cfg.attention_backend or dev.default_backend(device)
+    dev.check_backend(backend, device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
     fused = ops.parse_fused_ops(cfg.fused_ops, backend)
     if cfg.quantization and device.type != "cpu":

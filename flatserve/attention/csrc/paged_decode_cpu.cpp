@@ -191,6 +191,8 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                         int64_t window, double softcap, const at::Tensor& sinks) {
+  TORCH_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && block_table.is_cpu() &&
+              seq_lens.is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous(), "paged_decode: contiguous q [S,Hq,D] and caches [N,bs,Hkv,D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),

@@ -215,6 +215,7 @@ void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Te
 // x [N, H] (rows contiguous), w [H]; residual [N, H] or empty (then updated in place: r += x).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool offset,
                     at::Tensor residual) {
+  TORCH_CHECK(x.is_cpu() && w.is_cpu(), "rms_norm: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
               "rms_norm: x [N, H] with contiguous rows, w [H] of x's dtype");
   at::Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
@@ -227,7 +228,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool o
 
 // x [N, 2I] = gate | up -> act(gate) * up [N, I].
 at::Tensor act_and_mul(const at::Tensor& x, bool gelu) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "act_and_mul: x [N, 2I]");
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "act_and_mul: CPU x [N, 2I]");
   at::Tensor y = at::empty({x.size(0), x.size(1) / 2}, x.options());
   DISPATCH(x.scalar_type(), act_mul_t<T>(x, y, gelu));
   return y;
@@ -236,6 +238,8 @@ at::Tensor act_and_mul(const at::Tensor& x, bool gelu) {
 // In place on q [T, Hq, D], k [T, Hk, D] (last dim contiguous); table [2, P, D] fp32.
 void qk_norm_rope(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& table,
                   const at::Tensor& q_w, const at::Tensor& k_w, double eps, bool norm, bool offset) {
+  TORCH_CHECK(q.is_cpu() && k.is_cpu() && positions.is_cpu() && table.is_cpu(),
+              "qk_norm_rope: CPU tensors only");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && table.scalar_type() == at::kFloat &&
               table.is_contiguous() && positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "qk_norm_rope: q/k rows contiguous, fp32 table, int64 positions");
