@@ -75,7 +75,10 @@ def build_cpu_extension(name: str, source: str) -> object:
     arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
     # -fno-trapping-math: without it GCC keeps any loop with a float -> int conversion (the
     # kernels' exp) scalar, since the conversion could raise an FP exception nobody reads here.
-    return load(name=name, sources=[source],
+    from pathlib import Path
+
+    shared = Path(__file__).parent / "csrc"  # cpu_math.h
+    return load(name=name, sources=[source], extra_include_paths=[str(shared)],
                 extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *arch],
                 extra_ldflags=["-fopenmp"], verbose=False)
 

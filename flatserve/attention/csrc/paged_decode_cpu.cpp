@@ -16,6 +16,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 // 16 fp32 lanes as one value (GCC/clang vector extension): one AVX-512 register, two AVX2 ones.
@@ -48,28 +50,6 @@ inline vf cvt(const at::Half* p) {
   vf f;
   for (int64_t k = 0; k < kLanes; ++k) f[k] = static_cast<float>(p[k]);
   return f;
-}
-
-// exp(x) for x <= 0 in a form the compiler vectorises (libm's expf is a scalar call).
-// 2^(x log2 e) = 2^i * 2^f with i = floor, f in [0, 1); 2^f by a degree-6 least-squares
-// polynomial (relative error 6e-9 in exact arithmetic, ~1e-7 in fp32). x is clamped at -87
-// (exp(-87) = 1.6e-38, still normal): such weights vanish against the running max's 1 anyway.
-inline float exp_nonpos(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float t = x * 1.4426950408889634f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 2.1871262307292775e-4f;
-  p = p * f + 1.2382415543543816e-3f;
-  p = p * f + 9.686186289582578e-3f;
-  p = p * f + 5.5478912463380964e-2f;
-  p = p * f + 2.40231096761393e-1f;
-  p = p * f + 6.931468377007519e-1f;
-  p = p * f + 1.000000006158204f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 struct Dims {
@@ -127,7 +107,7 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = t0; t < t1; ++t) {
-        sj[t] = exp_nonpos(sj[t] - nm);  // scores -> weights, in place
+        sj[t] = flatserve::exp_poly(sj[t] - nm);  // scores -> weights, in place
         sum += sj[t];
       }
       den[j] = den[j] * corr + sum;

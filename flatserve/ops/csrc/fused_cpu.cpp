@@ -11,6 +11,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "cpu_math.h"
 
 namespace {
 
@@ -48,25 +51,6 @@ template <> struct Cv<at::Half> {
   static float rnd(float x) { return static_cast<float>(static_cast<at::Half>(x)); }
   static void st(at::Half* p, int64_t i, float x) { p[i] = static_cast<at::Half>(x); }
 };
-
-// exp for any finite x, vectorisable (2^i * 2^f, degree-6 polynomial; relative error ~1e-7).
-inline float vexp(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float t = x * 1.4426950408889634f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 2.1871262307292775e-4f;
-  p = p * f + 1.2382415543543816e-3f;
-  p = p * f + 9.686186289582578e-3f;
-  p = p * f + 5.5478912463380964e-2f;
-  p = p * f + 2.40231096761393e-1f;
-  p = p * f + 6.931468377007519e-1f;
-  p = p * f + 1.000000006158204f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
-  float s;
-  std::memcpy(&s, &bits, 4);
-  return p * s;
-}
 
 // One row: [r += x]; y = norm(r or x) (w * round(x * inv), or round(x * inv * (1 + w))).
 template <typename T>
@@ -125,9 +109,9 @@ void act_row(const T* g, const T* u, T* y, int64_t I) {
     float act;
     if (GELU) {  // tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1)
       const float z = 0.7978845608028654f * (a + 0.044715f * a * a * a);
-      act = 0.5f * a * (2.f - 2.f / (vexp(2.f * z) + 1.f));
+      act = 0.5f * a * (2.f - 2.f / (flatserve::exp_poly(2.f * z) + 1.f));
     } else {  // silu
-      act = a / (1.f + vexp(-a));
+      act = a / (1.f + flatserve::exp_poly(-a));
     }
     C::st(y, i, C::rnd(C::rnd(act) * C::ld(u, i)));
   }

@@ -1,0 +1,33 @@
+// Maths shared by the CPU C++ kernels (flatserve/attention/csrc, flatserve/ops/csrc).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace flatserve {
+
+// exp(x) in a form the compiler vectorises (libm's expf is a scalar call; with
+// -fno-trapping-math GCC turns loops of this into AVX-512). 2^(x log2 e) = 2^i * 2^f with
+// i = floor, f in [0, 1); 2^f by a degree-6 least-squares polynomial (relative error 6e-9 in
+// exact arithmetic, ~1e-7 in fp32). x is clamped to [-87, 88]: exp(-87) = 1.6e-38 is still a
+// normal float, and the kernels only meet larger x as softmax weights <= 1 or activations.
+inline float exp_poly(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 2.1871262307292775e-4f;
+  p = p * f + 1.2382415543543816e-3f;
+  p = p * f + 9.686186289582578e-3f;
+  p = p * f + 5.5478912463380964e-2f;
+  p = p * f + 2.40231096761393e-1f;
+  p = p * f + 6.931468377007519e-1f;
+  p = p * f + 1.000000006158204f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
+  float s;
+  std::memcpy(&s, &bits, sizeof(s));
+  return p * s;
+}
+
+}  // namespace flatserve
