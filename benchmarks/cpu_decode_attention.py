@@ -15,19 +15,11 @@ import time
 import torch
 
 sys.path.insert(0, ".")
+from benchmarks.timing import ms_per_call  # noqa: E402
 from flatserve.attention.base import LayerAttnParams  # noqa: E402
 from flatserve.attention.cpu_backend import paged_decode  # noqa: E402
 from flatserve.attention.torch_backend import paged_attention_ref  # noqa: E402
 from tests.attention.cases import make_case  # noqa: E402
-
-
-def timed(fn, n: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n * 1e3
 
 
 def main() -> None:
@@ -41,8 +33,8 @@ def main() -> None:
                                 device="cpu")
     for win in (None, 512):
         p = LayerAttnParams(256 ** -0.5, win)
-        ref = timed(lambda: paged_attention_ref(q, kc, vc, meta, p))
-        new = timed(lambda: paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, p))
+        ref = ms_per_call(lambda: paged_attention_ref(q, kc, vc, meta, p), n=20, warm=3)
+        new = ms_per_call(lambda: paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, p), n=20, warm=3)
         print(f"window {win}: torch backend {ref:.2f} ms, C++ kernel {new:.2f} ms ({ref / new:.1f}x)")
 
 

@@ -13,17 +13,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
+from benchmarks.timing import ms_per_call  # noqa: E402
 from flatserve.model.config import RopeConfig  # noqa: E402
 from flatserve.model.layers import RMSNorm, Rotary  # noqa: E402
 from flatserve.ops import cpu_ops  # noqa: E402
-
-
-def bench(f, n: int = 10) -> float:
-    f()
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
-    return (time.perf_counter() - t) / n * 1e3
 
 
 def main() -> None:
@@ -32,12 +25,12 @@ def main() -> None:
     for T in (16, 2048):
         x, r = torch.randn(T, 640, dtype=dt), torch.randn(T, 640, dtype=dt)
         norm = RMSNorm(640, 1e-6, 1.0).to(dt)
-        a = bench(lambda: norm(x, r.clone()))
-        b = bench(lambda: cpu_ops.rms_norm(x, norm.weight, 1e-6, True, r.clone()))
+        a = ms_per_call(lambda: norm(x, r.clone()))
+        b = ms_per_call(lambda: cpu_ops.rms_norm(x, norm.weight, 1e-6, True, r.clone()))
         print(f"{T} rows: RMSNorm + residual  torch {a:.3f} ms, fused {b:.3f} ms ({a / b:.1f}x)")
         g = torch.randn(T, 4096, dtype=dt)
-        a = bench(lambda: F.gelu(g[:, :2048], approximate="tanh") * g[:, 2048:])
-        b = bench(lambda: cpu_ops.act_and_mul(g, "gelu_pytorch_tanh"))
+        a = ms_per_call(lambda: F.gelu(g[:, :2048], approximate="tanh") * g[:, 2048:])
+        b = ms_per_call(lambda: cpu_ops.act_and_mul(g, "gelu_pytorch_tanh"))
         print(f"{T} rows: GELU-tanh(gate) * up torch {a:.3f} ms, fused {b:.3f} ms ({a / b:.1f}x)")
         rot = Rotary(RopeConfig(theta=1e4), 256)
         qkv = torch.randn(T, 6 * 256, dtype=dt)
@@ -46,8 +39,8 @@ def main() -> None:
         pos = torch.arange(T)
         qn, kn = RMSNorm(256, 1e-6, 1.0).to(dt), RMSNorm(256, 1e-6, 1.0).to(dt)
         table = rot.table(T + 1)
-        a = bench(lambda: rot(pos, qn(q), kn(k), T))
-        b = bench(lambda: cpu_ops.qk_norm_rope(q, k, pos, table, qn.weight, kn.weight, 1e-6, True))
+        a = ms_per_call(lambda: rot(pos, qn(q), kn(k), T))
+        b = ms_per_call(lambda: cpu_ops.qk_norm_rope(q, k, pos, table, qn.weight, kn.weight, 1e-6, True))
         print(f"{T} rows: q/k norm + rotary    torch {a:.3f} ms, fused {b:.3f} ms ({a / b:.1f}x)")
 
 

@@ -7,16 +7,13 @@ flatserve/attention/torch_backend.py; ms per call and the max error of each agai
 """
 import time
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
-
-def bench(f, n: int = 5) -> float:
-    f()
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
-    return (time.perf_counter() - t) / n * 1e3
+sys.path.insert(0, ".")
+from benchmarks.timing import ms_per_call  # noqa: E402
 
 
 def main() -> None:
@@ -32,8 +29,8 @@ def main() -> None:
         e3 = (F.scaled_dot_product_attention(q, k, v, attn_mask=mask).double() - ref).abs().max()
         e4 = (F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0].double()
               - ref).abs().max()
-        t3 = bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-        t4 = bench(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask))
+        t3 = ms_per_call(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), n=5)
+        t4 = ms_per_call(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask), n=5)
         print(f"{n} rows x {L} keys: 3-D {t3:.1f} ms (err {e3:.1e}), 4-D {t4:.1f} ms (err {e4:.1e}), "
               f"{t3 / t4:.1f}x")
 
