@@ -40,7 +40,7 @@ def test_decode_ragged(num_seqs: int, max_ctx: int) -> None:
     check_decode(_ragged(num_seqs, 1, max_ctx))
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (32, 4), (16, 2), (4, 1)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (32, 4), (16, 2), (4, 1), (16, 8), (6, 2), (28, 4)])
 def test_gqa_ratios_and_mqa(hq: int, hkv: int) -> None:
     check_decode(_ragged(6, 1, 900), hq=hq, hkv=hkv)
 
@@ -56,7 +56,8 @@ def test_softcap_and_sinks() -> None:
 
 
 @pytest.mark.parametrize("d,bs,dtype", [(64, 16, torch.bfloat16), (128, 32, torch.float32),
-                                        (256, 16, torch.bfloat16), (128, 16, torch.float16)])
+                                        (256, 16, torch.bfloat16), (128, 16, torch.float16),
+                                        (48, 16, torch.bfloat16)])  # 48: not 32-wide bf16 pairs
 def test_head_sizes_block_sizes_dtypes(d: int, bs: int, dtype: torch.dtype) -> None:
     check_decode(_ragged(7, 1, 1200), d=d, bs=bs, dtype=dtype)
 

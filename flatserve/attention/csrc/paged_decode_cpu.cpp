@@ -14,9 +14,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -30,10 +35,14 @@ typedef uint32_t vw __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 inline vf ld(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void st(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+// Sum of the 16 lanes by a shuffle tree (4 shuffles + 4 adds). Summing v[0..15] one lane at a
+// time compiled to 16 extracts and a serial chain of adds, once per (key, query head).
 inline float hsum(vf v) {
-  float s = 0.f;
-  for (int64_t k = 0; k < kLanes; ++k) s += v[k];
-  return s;
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
 }
 
 // 16 cache values -> fp32 lanes. bf16 -> fp32 is a 16-bit shift.
@@ -58,67 +67,149 @@ struct Dims {
   int64_t window;        // <= 0: off; keys with pos > q_pos - window are visible
 };
 
-// Scores of one block's rows for the g query heads: sc[j * bs + t] = scale * q_j . k_t.
-inline void block_scores(const float* qf, const float* kb, int64_t t0, int64_t t1, const Dims& m,
-                         float* sc) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const float* kr = kb + t * m.d;
-    for (int64_t j = 0; j < m.g; ++j) {
-      const float* qj = qf + j * m.d;
-      vf s = {};
-      for (int64_t c = 0; c < m.d; c += kLanes) s += ld(qj + c) * ld(kr + c);
-      float x = hsum(s) * m.scale;
-      if (m.softcap > 0.f) x = std::tanh(x / m.softcap) * m.softcap;
-      sc[j * m.bs + t] = x;
+// Raw scores of NK consecutive cache rows (row stride rs) for G query heads (fp32 q rows qf,
+// stride d): sc[j * bs + i] = q_j . k_i. The NK x G accumulators stay in registers while each
+// 16-lane slice of a K row is loaded and converted once for all G heads.
+template <typename T, int G, int NK>
+inline void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc, int64_t bs) {
+  vf s[NK][G] = {};
+  for (int64_t c = 0; c < d; c += kLanes) {
+    vf kv[NK];
+    for (int i = 0; i < NK; ++i) kv[i] = cvt(k + i * rs + c);
+    for (int j = 0; j < G; ++j) {
+      const vf qj = ld(qf + j * d + c);
+      for (int i = 0; i < NK; ++i) s[i][j] += qj * kv[i];
     }
+  }
+  for (int i = 0; i < NK; ++i)
+    for (int j = 0; j < G; ++j) sc[j * bs + i] = hsum(s[i][j]);
+}
+
+#if defined(__AVX512BF16__)
+// bf16 caches on CPUs with AVX512-BF16: vdpbf16ps multiplies bf16 pairs straight from the
+// cache and accumulates in fp32 (32 elements per instruction, no conversion of K), the
+// products exact in fp32 as in the generic path; only the order of the fp32 sums differs.
+template <int G, int NK>
+inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t rs, int64_t d,
+                        float* sc, int64_t bs) {
+  __m512 s[NK][G];
+  for (int i = 0; i < NK; ++i)
+    for (int j = 0; j < G; ++j) s[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512bh kv[NK];
+    for (int i = 0; i < NK; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(k + i * rs + c);
+    for (int j = 0; j < G; ++j) {
+      const __m512bh qj = (__m512bh)_mm512_loadu_si512(q + j * d + c);
+      for (int i = 0; i < NK; ++i) s[i][j] = _mm512_dpbf16_ps(s[i][j], qj, kv[i]);
+    }
+  }
+  for (int i = 0; i < NK; ++i)
+    for (int j = 0; j < G; ++j) sc[j * bs + i] = _mm512_reduce_add_ps(s[i][j]);
+}
+#endif
+
+// One block's rows t0..t1 for G query heads (starting at head j0 of the group): scores, online
+// softmax update of (mx, den), then acc = acc * corr + weights . V, one 16-lane slice of the G
+// accumulators held across the block's rows, each V slice loaded and converted once.
+template <typename T, int G>
+void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t rs, int64_t t0,
+                int64_t t1, const Dims& m, float* mx, float* den, float* acc, float* sc) {
+  const int64_t d = m.d, bs = m.bs;
+  int64_t t = t0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (d % 32 == 0) {
+      for (; t + 4 <= t1; t += 4) scores_bf16<G, 4>(q, kb + t * rs, rs, d, sc + t, bs);
+      for (; t < t1; ++t) scores_bf16<G, 1>(q, kb + t * rs, rs, d, sc + t, bs);
+    }
+  }
+#endif
+  for (; t + 4 <= t1; t += 4) scores<T, G, 4>(qf, kb + t * rs, rs, d, sc + t, bs);
+  for (; t < t1; ++t) scores<T, G, 1>(qf, kb + t * rs, rs, d, sc + t, bs);
+  float corr[G];
+  for (int j = 0; j < G; ++j) {
+    float* sj = sc + j * bs;
+    float bm = -std::numeric_limits<float>::infinity();
+    for (int64_t i = t0; i < t1; ++i) {
+      float x = sj[i] * m.scale;
+      if (m.softcap > 0.f) x = std::tanh(x / m.softcap) * m.softcap;
+      sj[i] = x;
+      bm = std::max(bm, x);
+    }
+    const float nm = std::max(mx[j], bm);
+    corr[j] = std::exp(mx[j] - nm);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = t0; i < t1; ++i) {
+      sj[i] = flatserve::exp_poly(sj[i] - nm);  // scores -> weights, in place
+      sum += sj[i];
+    }
+    den[j] = den[j] * corr[j] + sum;
+    mx[j] = nm;
+  }
+  // Even and odd rows go to separate accumulators: with one chain per head the FMAs waited on
+  // each other's latency (4 cycles) and PV ran at one FMA per cycle.
+  for (int64_t c = 0; c < d; c += kLanes) {
+    vf a[G], b[G] = {};
+    for (int j = 0; j < G; ++j) a[j] = ld(acc + j * d + c) * corr[j];
+    int64_t i = t0;
+    for (; i + 2 <= t1; i += 2) {
+      const vf v0 = cvt(vb + i * rs + c), v1 = cvt(vb + (i + 1) * rs + c);
+      for (int j = 0; j < G; ++j) {
+        a[j] += sc[j * bs + i] * v0;
+        b[j] += sc[j * bs + i + 1] * v1;
+      }
+    }
+    if (i < t1) {
+      const vf v0 = cvt(vb + i * rs + c);
+      for (int j = 0; j < G; ++j) a[j] += sc[j * bs + i] * v0;
+    }
+    for (int j = 0; j < G; ++j) st(acc + j * d + c, a[j] + b[j]);
   }
 }
 
-// One (sequence, KV head): the g query heads that share the KV head read each K/V row once.
+// Asks for a block's K and V rows of one KV head ahead of use: blocks sit at random places in
+// the pool, so the hardware prefetcher restarts on every one of them.
+template <typename T>
+inline void prefetch_block(const T* k, const T* v, int64_t rs, int64_t rows, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t o = 0; o < bytes; o += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k + t * rs) + o);
+      __builtin_prefetch(reinterpret_cast<const char*>(v + t * rs) + o);
+    }
+}
+
+// One (sequence, KV head): the g query heads that share the KV head read each K/V row once
+// (in chunks of up to 4 heads per pass over a block; a block's rows stay in L1 between passes).
 template <typename T>
 void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
             const float* sinks, T* out, int64_t h, const Dims& m, float* qf, float* acc,
-            float* sc, float* kb, float* vb) {
-  const int64_t g = m.g, d = m.d, bs = m.bs;
-  const float ninf = -std::numeric_limits<float>::infinity();
-  std::vector<float> mx(g, ninf), den(g, 0.f);
+            float* sc) {
+  const int64_t g = m.g, d = m.d, bs = m.bs, rs = m.hkv * d;
+  std::vector<float> mx(g, -std::numeric_limits<float>::infinity()), den(g, 0.f);
   for (int64_t c = 0; c < g * d; c += kLanes) st(qf + c, cvt(q + h * g * d + c));
   std::fill(acc, acc + g * d, 0.f);
   const int64_t k0 = m.window > 0 ? std::max<int64_t>(0, len - m.window) : 0;
-  for (int64_t b = k0 / bs; b * bs < len; ++b) {
-    const int64_t base = static_cast<int64_t>(table[b]) * bs;
-    const int64_t t0 = std::max(k0, b * bs) - b * bs, t1 = std::min(len, (b + 1) * bs) - b * bs;
-    // Rows of this block as fp32, converted once and shared by the g query heads.
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* kp = kc + ((base + t) * m.hkv + h) * d;
-      const T* vp = vc + ((base + t) * m.hkv + h) * d;
-      for (int64_t c = 0; c < d; c += kLanes) {
-        st(kb + t * d + c, cvt(kp + c));
-        st(vb + t * d + c, cvt(vp + c));
-      }
+  const int64_t b_end = (len + bs - 1) / bs;
+  for (int64_t b = k0 / bs; b < b_end; ++b) {
+    const T* kb = kc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
+    const T* vb = vc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
+    if (b + 1 < b_end) {
+      const int64_t nb = static_cast<int64_t>(table[b + 1]) * bs * m.hkv + h;
+      prefetch_block(kc + nb * d, vc + nb * d, rs, std::min(bs, len - (b + 1) * bs), d);
     }
-    block_scores(qf, kb, t0, t1, m, sc);
-    for (int64_t j = 0; j < g; ++j) {
-      float* sj = sc + j * bs;
-      float bm = ninf;
-      for (int64_t t = t0; t < t1; ++t) bm = std::max(bm, sj[t]);
-      const float nm = std::max(mx[j], bm), corr = std::exp(mx[j] - nm);
-      float* aj = acc + j * d;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = t0; t < t1; ++t) {
-        sj[t] = flatserve::exp_poly(sj[t] - nm);  // scores -> weights, in place
-        sum += sj[t];
-      }
-      den[j] = den[j] * corr + sum;
-      // acc = acc * corr + weights . V, one 16-lane slice at a time held across the block's
-      // rows: one load and one store per slice per block, not per row.
-      for (int64_t c = 0; c < d; c += kLanes) {
-        vf a = ld(aj + c) * corr;
-        for (int64_t t = t0; t < t1; ++t) a += sj[t] * ld(vb + t * d + c);
-        st(aj + c, a);
-      }
-      mx[j] = nm;
+    const int64_t t0 = std::max(k0, b * bs) - b * bs, t1 = std::min(len, (b + 1) * bs) - b * bs;
+    for (int64_t j = 0; j < g;) {
+      const int64_t n = std::min<int64_t>(4, g - j);
+      float* a = acc + j * d;
+      const float* qj = qf + j * d;
+      const T* qr = q + (h * g + j) * d;
+      if (n == 4) block_step<T, 4>(qr, qj, kb, vb, rs, t0, t1, m, &mx[j], &den[j], a, sc);
+      else if (n == 3) block_step<T, 3>(qr, qj, kb, vb, rs, t0, t1, m, &mx[j], &den[j], a, sc);
+      else if (n == 2) block_step<T, 2>(qr, qj, kb, vb, rs, t0, t1, m, &mx[j], &den[j], a, sc);
+      else block_step<T, 1>(qr, qj, kb, vb, rs, t0, t1, m, &mx[j], &den[j], a, sc);
+      j += n;
     }
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -154,12 +245,12 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   const int64_t n = static_cast<int64_t>(order.size());
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), n)))
   {
-    std::vector<float> qf(m.g * m.d), acc(m.g * m.d), sc(m.g * m.bs), kb(m.bs * m.d), vb(m.bs * m.d);
+    std::vector<float> qf(m.g * m.d), acc(m.g * m.d), sc(4 * m.bs);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t s = order[i] / m.hkv, h = order[i] % m.hkv;
       attend<T>(qp + s * m.hq * m.d, kp, vp, tp + s * m.max_blocks, lp[s], sinks,
-                op + s * m.hq * m.d, h, m, qf.data(), acc.data(), sc.data(), kb.data(), vb.data());
+                op + s * m.hq * m.d, h, m, qf.data(), acc.data(), sc.data());
     }
   }
 }
