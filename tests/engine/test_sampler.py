@@ -93,3 +93,18 @@ def test_logit_bias_min_tokens_and_logprobs() -> None:
     # min_tokens hides eos (id 0) until enough tokens exist.
     toks, _ = _sample(logits, [_req(SamplingParams(temperature=0, min_tokens=3))])
     assert toks.item() == 1
+
+
+def test_plain_greedy_on_model_dtype_equals_fp32_path() -> None:
+    """Greedy rows with no processors take the max of the bf16 logits directly; it must pick what
+    the fp32 path picks, ties included (first index), and logprobs=0 still returns logprobs."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    logits = torch.randn(12, 3000, generator=g).bfloat16()
+    logits[::3, 7] = logits[::3, 1900] = logits[::3].max() + 1  # exact ties in every third row
+    plain = [_req(SamplingParams(temperature=0)) for _ in range(12)]
+    toks, lps = _sample(logits, plain)
+    assert toks.tolist() == logits.float().argmax(-1).tolist() and lps == [None] * 12
+    assert all(t == 7 for t in toks[::3].tolist())
+    # One row asking for logprobs=0 sends the batch through the fp32 path: same tokens.
+    toks0, lps0 = _sample(logits, plain[:-1] + [_req(SamplingParams(temperature=0, logprobs=0))])
+    assert toks0.tolist() == toks.tolist() and lps0[-1] is not None and lps0[-1][0][0] == toks[-1].item()
