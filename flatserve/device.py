@@ -93,6 +93,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] -> int64 [R] with x.max(dim=-1).indices' rule. On the CPU through the fused
+    ops' vector kernel where it built (16 x 262k bf16: see flatserve/ops/cpu_ops.py); elsewhere
+    torch's reduction."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[1] > 0:
+        from flatserve.ops import cpu_ops
+
+        if cpu_ops.available():
+            return cpu_ops.argmax_rows(x)
+    return x.max(dim=-1).indices
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]

@@ -133,3 +133,25 @@ def test_fused_model_matches_unfused(backend, family, tmp_path) -> None:
         da, db = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         for t in set(da) & set(db):
             assert abs(da[t].logprob - db[t].logprob) < 1e-4
+
+
+@pytest.mark.skipif(not _cpu_ops_built(), reason="the C++ fused ops did not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_row_argmax_equals_torch_max_indices(dtype: torch.dtype) -> None:
+    """The greedy sampler's CPU argmax: torch's rule exactly, on fresh random rows of several
+    widths (one row split across threads, tails shorter than 16 lanes), with exact ties,
+    NaNs and all -inf rows."""
+    from flatserve import device as dev
+
+    for R, V in [(16, 40_000), (1, 300_001), (3, 37), (4, 1), (2, 16), (7, 4100)]:
+        x = torch.randn(R, V).to(dtype)
+        if V > 20:
+            for r in range(R):  # an exact tie at two random places above every other value
+                i, j = sorted(random.sample(range(V), 2))
+                x[r, i] = x[r, j] = x[r].max() + 1
+        if R > 2 and V > 20:
+            x[1, random.randrange(V // 2, V)] = float("nan")
+            x[1, random.randrange(V // 2)] = float("nan")
+            x[2] = float("-inf")
+        got = dev.row_argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.max(dim=-1).indices), (R, V)

@@ -55,3 +55,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     norm = q_w is not None
     module().qk_norm_rope(q, k, positions.contiguous(), cos_sin, q_w if norm else _EMPTY,
                           k_w if norm else _EMPTY, eps, norm, offset)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] -> int64 [R], the rule of x.max(dim=-1).indices (first index among equals, NaN
+    highest), in 16-lane vector code: 16 x 262k bf16 logits ran at ~4 GB/s through torch's
+    reduction on the dev box."""
+    return module().argmax_rows(x.contiguous())

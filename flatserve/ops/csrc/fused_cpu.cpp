@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -194,6 +195,88 @@ void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Te
     default: TORCH_CHECK(false, "fused CPU ops: dtype must be float32, bfloat16 or float16"); \
   }
 
+// Row argmax, torch.max(dim=-1).indices' rule: the largest value, NaN above everything, the
+// first index among equals. 16 lanes each keep their own best (value, index); a lane only moves
+// on a strictly better value, so each keeps its first index, and the lanes are merged by index.
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+
+template <typename T>
+inline vf16 load16(const T* p) {
+  vf16 v;
+  for (int k = 0; k < 16; ++k) v[k] = Cv<T>::ld(p, k);
+  return v;
+}
+template <>
+inline vf16 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  vh16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu16 w = __builtin_convertvector(h, vu16) << 16;
+  vf16 f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+struct Best {
+  float v;
+  int64_t i;
+};
+inline bool better(float v, int64_t i, const Best& b) {  // (v, i) beats b under the rule above
+  if (v != v) return b.v == b.v || i < b.i;
+  if (b.v != b.v) return false;
+  return v > b.v || (v == b.v && i < b.i);
+}
+
+template <typename T>
+Best scan(const T* p, int64_t lo, int64_t hi) {
+  Best b{Cv<T>::ld(p, lo), lo};
+  int64_t i = lo;
+  if (hi - lo >= 16) {
+    vf16 best = load16(p + lo);
+    vi16 idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi16 lane = idx;
+    for (i = lo + 16; i + 16 <= hi; i += 16) {
+      const vf16 v = load16(p + i);
+      const vi16 m = (v > best) | ((v != v) & (best == best));
+      best = m ? v : best;
+      idx = m ? lane + static_cast<int32_t>(i - lo) : idx;
+    }
+    b = Best{best[0], lo + idx[0]};
+    for (int k = 1; k < 16; ++k)
+      if (better(best[k], lo + idx[k], b)) b = Best{best[k], lo + idx[k]};
+  }
+  for (; i < hi; ++i) {
+    const float v = Cv<T>::ld(p, i);
+    if (better(v, i, b)) b = Best{v, i};
+  }
+  return b;
+}
+
+template <typename T>
+void argmax_t(const at::Tensor& x, at::Tensor& out) {
+  const int64_t R = x.size(0), V = x.size(1), ld = x.stride(0);
+  const T* p = x.data_ptr<T>();
+  int64_t* o = out.data_ptr<int64_t>();
+  // Rows split in chunks so that even one row (a single request) keeps every thread busy.
+  const int64_t C = std::max<int64_t>(1, std::min<int64_t>(V / 4096, (at::get_num_threads() + R - 1) / R));
+  const int64_t span = (V + C - 1) / C;
+  std::vector<Best> part(R * C);
+  at::parallel_for(0, R * C, 1, [&](int64_t b, int64_t e) {
+    for (int64_t w = b; w < e; ++w) {
+      const int64_t r = w / C, lo = (w % C) * span, hi = std::min(V, lo + span);
+      part[w] = scan<T>(p + r * ld, lo, hi);
+    }
+  });
+  for (int64_t r = 0; r < R; ++r) {
+    Best b = part[r * C];
+    for (int64_t c = 1; c < C; ++c)
+      if (better(part[r * C + c].v, part[r * C + c].i, b)) b = part[r * C + c];
+    o[r] = b.i;
+  }
+}
+
 }  // namespace
 
 // x [N, H] (rows contiguous), w [H]; residual [N, H] or empty (then updated in place: r += x).
@@ -230,7 +313,17 @@ void qk_norm_rope(at::Tensor q, at::Tensor k, const at::Tensor& positions, const
   DISPATCH(q.scalar_type(), qk_rope_t<T>(q, k, positions, table, q_w, k_w, eps, norm, offset));
 }
 
+// x [R, V] (rows contiguous, V >= 1) -> int64 [R]: x.max(dim=-1).indices.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: CPU x [R, V] with contiguous rows");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  DISPATCH(x.scalar_type(), argmax_t<T>(x, out));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("argmax_rows", &argmax_rows, "row argmax: largest, NaN first, first index among equals");
   mod.def("rms_norm", &rms_norm, "RMSNorm with an optional residual add folded in");
   mod.def("act_and_mul", &act_and_mul, "SiLU/GELU-tanh(gate) * up");
   mod.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + neox rotary, in place");
