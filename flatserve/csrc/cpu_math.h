@@ -30,4 +30,19 @@ inline float exp_poly(float x) {
   return p * s;
 }
 
+// 16 fp32 lanes as one value (GCC/clang vector extension): one AVX-512 register, two AVX2 ones.
+typedef float f32x16 __attribute__((vector_size(64)));
+
+// 16 bf16 values (raw bits) -> fp32 lanes: bf16 -> fp32 is a 16-bit shift.
+inline f32x16 bf16x16_to_f32(const uint16_t* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
 }  // namespace flatserve

@@ -25,13 +25,11 @@
 
 namespace {
 
-// 16 fp32 lanes as one value (GCC/clang vector extension): one AVX-512 register, two AVX2 ones.
-// Written out because the plain loops below it ran at ~4 FMAs per cycle (the compiler kept the
-// accumulators in memory); head sizes are multiples of 16 (the Python side checks).
+// 16 fp32 lanes as one value (cpu_math.h). Written out because the plain loops below it ran at
+// ~4 FMAs per cycle (the compiler kept the accumulators in memory); head sizes are multiples of
+// 16 (the Python side checks).
 constexpr int64_t kLanes = 16;
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t vw __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+using vf = flatserve::f32x16;
 
 inline vf ld(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void st(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
@@ -45,15 +43,10 @@ inline float hsum(vf v) {
   return v[0];
 }
 
-// 16 cache values -> fp32 lanes. bf16 -> fp32 is a 16-bit shift.
+// 16 cache values -> fp32 lanes.
 inline vf cvt(const float* p) { return ld(p); }
 inline vf cvt(const at::BFloat16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  const vw w = __builtin_convertvector(h, vw) << 16;
-  vf f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
+  return flatserve::bf16x16_to_f32(reinterpret_cast<const uint16_t*>(p));
 }
 inline vf cvt(const at::Half* p) {
   vf f;

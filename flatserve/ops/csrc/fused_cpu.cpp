@@ -198,10 +198,8 @@ void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Te
 // Row argmax, torch.max(dim=-1).indices' rule: the largest value, NaN above everything, the
 // first index among equals. 16 lanes each keep their own best (value, index); a lane only moves
 // on a strictly better value, so each keeps its first index, and the lanes are merged by index.
-typedef float vf16 __attribute__((vector_size(64)));
+using vf16 = flatserve::f32x16;
 typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
 
 template <typename T>
 inline vf16 load16(const T* p) {
@@ -210,13 +208,8 @@ inline vf16 load16(const T* p) {
   return v;
 }
 template <>
-inline vf16 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  vh16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const vu16 w = __builtin_convertvector(h, vu16) << 16;
-  vf16 f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
+inline vf16 load16(const at::BFloat16* p) {
+  return flatserve::bf16x16_to_f32(reinterpret_cast<const uint16_t*>(p));
 }
 
 struct Best {
