@@ -1,0 +1,57 @@
+"""The CPU decode kernel at a git revision against the working tree's, built side by side and
+timed alternately in one process (this box drifts +-10% between runs; min of 15 x 10 calls).
+
+    .venv/bin/python benchmarks/cpu_decode_ab.py [--rev bb680e4]
+
+One Gemma-3-270M layer's shape (4 q heads, 1 KV head, head 256, block 16), 16 decodes with
+contexts 10..1,500 + 64 (seeded), bf16; full attention and the 512 window. Prints ms per call.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, ".")
+from flatserve import device as dev  # noqa: E402
+from tests.attention.cases import make_case  # noqa: E402
+
+SRC = "flatserve/attention/csrc/paged_decode_cpu.cpp"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rev", default="bb680e4")
+    a = ap.parse_args()
+    old = subprocess.run(["git", "show", f"{a.rev}:{SRC}"], check=True, capture_output=True, text=True).stdout
+    tmp = Path(tempfile.mkdtemp()) / "paged_decode_old.cpp"
+    tmp.write_text(old)
+    tag = abs(hash(old)) % 10**8
+    mods = {a.rev: dev.build_cpu_extension(f"flatserve_decode_ab_{tag}", str(tmp)),
+            "working tree": dev.build_cpu_extension("flatserve_paged_decode_cpu", SRC)}
+    random.seed(0)
+    lens = [random.randint(10, 1500) + 64 for _ in range(16)]
+    q, kc, vc, meta = make_case([1] * 16, lens, 4, 1, 256, 16, torch.bfloat16, seed=0, device="cpu")
+    for win in (0, 512):
+        best = {k: 1e9 for k in mods}
+        for _ in range(15):
+            for name, m in mods.items():
+                def f() -> None:
+                    m.paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, 256 ** -0.5, win, 0.0,
+                                   torch.empty(0))
+                f()
+                t = time.perf_counter()
+                for _ in range(10):
+                    f()
+                best[name] = min(best[name], (time.perf_counter() - t) / 10 * 1e3)
+        print(f"window {win or None}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in best.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
