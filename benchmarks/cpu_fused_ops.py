@@ -1,6 +1,6 @@
 """The C++ fused ops (flatserve/ops/cpu_ops.py) against the torch layers they replace, on the CPU:
 Gemma 3 270M shapes (hidden 640, MLP 2048, 4 q heads / 1 KV head of 256), bf16, at 16 rows (a
-decode step) and 2,048 rows (a prefill chunk). ms per call, same inputs, same run.
+decode step) and 2,048 rows (a prefill chunk); SiLU at the same shapes for Qwen3/Llama. ms per call, same inputs, same run.
 
     .venv/bin/python benchmarks/cpu_fused_ops.py
 """
@@ -32,6 +32,9 @@ def main() -> None:
         a = ms_per_call(lambda: F.gelu(g[:, :2048], approximate="tanh") * g[:, 2048:])
         b = ms_per_call(lambda: cpu_ops.act_and_mul(g, "gelu_pytorch_tanh"))
         print(f"{T} rows: GELU-tanh(gate) * up torch {a:.3f} ms, fused {b:.3f} ms ({a / b:.1f}x)")
+        a = ms_per_call(lambda: F.silu(g[:, :2048]) * g[:, 2048:])  # Qwen3 / Llama MLPs
+        b = ms_per_call(lambda: cpu_ops.act_and_mul(g, "silu"))
+        print(f"{T} rows: SiLU(gate) * up      torch {a:.3f} ms, fused {b:.3f} ms ({a / b:.1f}x)")
         rot = Rotary(RopeConfig(theta=1e4), 256)
         qkv = torch.randn(T, 6 * 256, dtype=dt)
         q, k, _ = qkv.split([1024, 256, 256], -1)

@@ -111,8 +111,13 @@ void act_row(const T* g, const T* u, T* y, int64_t I) {
     if (GELU) {  // tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1)
       const float z = 0.7978845608028654f * (a + 0.044715f * a * a * a);
       act = 0.5f * a * (2.f - 2.f / (flatserve::exp_poly(2.f * z) + 1.f));
-    } else {  // silu
-      act = a / (1.f + flatserve::exp_poly(-a));
+    } else {  // silu = a * sigmoid(a), sigmoid from e = exp(-|a|) <= 1 on both sides of 0
+      // (exact-form a / (1 + exp(-a)) compiled to masked divisions that ran 5x slower in bf16:
+      // benchmarks/cpu_fused_ops.py, 2,048 rows bf16: 8.4 -> 1.7 ms, torch 2.3; a - a / (exp(a) + 1)
+      // was as fast but cancels for a < 0).
+      const float e = flatserve::exp_poly(-std::fabs(a));
+      const float r = 1.f / (1.f + e);
+      act = a * (a >= 0.f ? r : e * r);
     }
     C::st(y, i, C::rnd(C::rnd(act) * C::ld(u, i)));
   }
