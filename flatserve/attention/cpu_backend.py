@@ -55,20 +55,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             p.softcap or 0.0, empty if sinks is None else sinks)
 
 
-_last_split: tuple[AttentionMetadata, torch.Tensor, torch.Tensor, list[int]] | None = None
-
-
 def _split(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """-> (q rows of one-token sequences, those sequences, the other sequences), found once per
-    step (the metadata is shared by every layer) rather than once per layer."""
-    global _last_split
-    if _last_split is None or _last_split[0] is not meta:
+    """-> (q rows of one-token sequences, those sequences, the other sequences), found on the
+    step's first layer and kept on its metadata for the other layers."""
+    got = meta.derived.get("cpu_split")
+    if got is None:
         cu = meta.cu_seqlens_q_host
         single = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] == 1]
         rest = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] > 1]
-        _last_split = (meta, torch.tensor([cu[s] for s in single], dtype=torch.long),
-                       torch.tensor(single, dtype=torch.long), rest)
-    return _last_split[1], _last_split[2], _last_split[3]
+        got = meta.derived["cpu_split"] = (torch.tensor([cu[s] for s in single], dtype=torch.long),
+                                           torch.tensor(single, dtype=torch.long), rest)
+    return got
 
 
 class CpuAttentionBackend:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,9 @@ class AttentionMetadata:
     cu_seqlens_q_host: list[int]
     seq_lens_host: list[int]
     segments: int | None = None  # split-KV factor; None lets the backend choose (graphs pin 1)
+    # What a backend derives from the above on the step's first layer and every later layer
+    # reuses (e.g. the CPU backend's decode/prefill row split); dies with the step.
+    derived: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
