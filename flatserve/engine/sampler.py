@@ -75,11 +75,19 @@ class SamplingTensors:
     draft: torch.Tensor | None = None  # [R] int64, -1 on bonus rows; None without drafts
 
 
-def _processed(r: SampleRow) -> bool:
-    """Whether the row's logits pass through a processor (bias, min_tokens, penalties)."""
+def _penalised(r: SampleRow) -> bool:
     p = r.req.params
-    return bool(p.logit_bias or r.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
-                or p.frequency_penalty or p.presence_penalty)
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def _min_tokens_due(r: SampleRow) -> bool:
+    return r.num_output_tokens < r.req.params.min_tokens
+
+
+def _processed(r: SampleRow) -> bool:
+    """Whether the row's logits pass through a processor: the same three tests that
+    `apply_logits_processors` makes, so the greedy fast path never skips one."""
+    return bool(r.req.params.logit_bias) or _min_tokens_due(r) or _penalised(r)
 
 
 def _row_seed(seed: int, position: int) -> int:
@@ -121,11 +129,11 @@ class Sampler:
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), device=logits.device)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
-            if r.num_output_tokens < p.min_tokens:
+            if _min_tokens_due(r):
                 stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 if stops:
                     logits[i, list(stops)] = float("-inf")
-            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            if _penalised(r):
                 self._penalise(logits[i], r)
         return logits
 
