@@ -62,12 +62,20 @@ def test_head_sizes_block_sizes_dtypes(d: int, bs: int, dtype: torch.dtype) -> N
     check_decode(_ragged(7, 1, 1200), d=d, bs=bs, dtype=dtype)
 
 
+MAX_ROWS = cpu_backend.MAX_KERNEL_ROWS
+
+
+@pytest.mark.parametrize("q_lens", [
+    [1, 37, 1, 1, 4, 1, 120],  # decodes, a verify run, prefill chunks
+    [4, 4, 1, 2, 4, 8, 4],  # verify runs and decodes only: every row through the kernel
+    [MAX_ROWS, MAX_ROWS + 1, 1],  # either side of the kernel's row limit
+])
 @pytest.mark.parametrize("window,d", [(None, 64), (64, 64), (None, 40)])  # 40: not 16-lane slices
-def test_backend_mixed_batch_equals_torch_backend(window: int | None, d: int) -> None:
-    """Decodes, prefill chunks and verify runs in one call: the kernel takes the one-token rows,
-    the torch loop the rest, and the KV write happens once, as in the torch backend. A head size
-    the kernel cannot slice goes wholly to the torch loop."""
-    q_lens = [1, 37, 1, 1, 4, 1, 120]
+def test_backend_mixed_batch_equals_torch_backend(q_lens: list[int], window: int | None, d: int) -> None:
+    """Decodes, prefill chunks and verify runs in one call: rows of sequences with at most
+    MAX_KERNEL_ROWS new tokens go to the kernel, each at its own position, the torch loop takes
+    the rest, and the KV write happens once, as in the torch backend. A head size the kernel
+    cannot slice goes wholly to the torch loop."""
     seq_lens = [random.randint(n, 600) for n in q_lens]
     q, kc, vc, meta = make_case(q_lens, seq_lens, 8, 2, d, 16, torch.float32, device="cpu")
     k, v = torch.randn(q.shape[0], 2, d), torch.randn(q.shape[0], 2, d)
