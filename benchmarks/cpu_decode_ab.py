@@ -1,10 +1,12 @@
 """The CPU decode kernel at a git revision against the working tree's, built side by side and
 timed alternately in one process (this box drifts +-10% between runs; min of 15 x 10 calls).
 
-    .venv/bin/python benchmarks/cpu_decode_ab.py [--rev bb680e4]
+    .venv/bin/python benchmarks/cpu_decode_ab.py [--rev bb680e4] [--rows 4]
 
-One Gemma-3-270M layer's shape (4 q heads, 1 KV head, head 256, block 16), 16 decodes with
+One Gemma-3-270M layer's shape (4 q heads, 1 KV head, head 256, block 16), 16 sequences with
 contexts 10..1,500 + 64 (seeded), bf16; full attention and the 512 window. Prints ms per call.
+--rows N: each sequence has a run of N query rows (a draft-verify step); a kernel without runs
+(before 2026-11-22) gets them as N one-row decodes each, as the backend then passed them.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ SRC = "flatserve/attention/csrc/paged_decode_cpu.cpp"
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", default="bb680e4")
+    ap.add_argument("--rows", type=int, default=1)
     a = ap.parse_args()
     old = subprocess.run(["git", "show", f"{a.rev}:{SRC}"], check=True, capture_output=True, text=True).stdout
     tmp = Path(tempfile.mkdtemp()) / "paged_decode_old.cpp"
@@ -37,20 +40,38 @@ def main() -> None:
             "working tree": dev.build_cpu_extension("flatserve_paged_decode_cpu", SRC)}
     random.seed(0)
     lens = [random.randint(10, 1500) + 64 for _ in range(16)]
-    q, kc, vc, meta = make_case([1] * 16, lens, 4, 1, 256, 16, torch.bfloat16, seed=0, device="cpu")
+    n = a.rows
+    q, kc, vc, meta = make_case([n] * 16, lens, 4, 1, 256, 16, torch.bfloat16, seed=0, device="cpu")
+    # The same rows as one-row decodes: row j of a run sees lens - n + j + 1 keys.
+    seq_of = torch.arange(16).repeat_interleave(n)
+    row_table = meta.block_table[seq_of].contiguous()
+    row_lens = (meta.seq_lens[seq_of] - n + torch.arange(n).repeat(16) + 1).to(torch.int32)
+    def has_runs(m) -> bool:  # the signature, found once (pybind's TypeError prints every argument)
+        try:
+            m.paged_decode(q[:1], kc, vc, meta.block_table[:1], meta.seq_lens[:1],
+                           torch.tensor([0, 1], dtype=torch.int32), 1.0, 0, 0.0, torch.empty(0))
+            return True
+        except TypeError:
+            return False
+
+    runs = {name: has_runs(m) for name, m in mods.items()}
     for win in (0, 512):
         best = {k: 1e9 for k in mods}
         for _ in range(15):
             for name, m in mods.items():
                 def f() -> None:
-                    m.paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, 256 ** -0.5, win, 0.0,
-                                   torch.empty(0))
+                    if runs[name]:  # (..., seq_lens, cu_seqlens_q, scale, ...)
+                        m.paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+                                       256 ** -0.5, win, 0.0, torch.empty(0))
+                    else:  # one row per sequence only
+                        m.paged_decode(q, kc, vc, row_table, row_lens, 256 ** -0.5, win, 0.0, torch.empty(0))
                 f()
                 t = time.perf_counter()
                 for _ in range(10):
                     f()
                 best[name] = min(best[name], (time.perf_counter() - t) / 10 * 1e3)
-        print(f"window {win or None}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in best.items()), flush=True)
+        print(f"rows {n}, window {win or None}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in best.items()),
+              flush=True)
 
 
 if __name__ == "__main__":

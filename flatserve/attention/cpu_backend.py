@@ -1,7 +1,7 @@
 """CPU attention backend: decode rows through a C++ kernel that reads paged KV in place.
 
-Every query row of a sequence with at most MAX_KERNEL_ROWS new tokens (decodes, draft-verify
-runs) goes to `csrc/paged_decode_cpu.cpp` in one call per layer, each row as a decode at its own
+Every sequence with at most MAX_KERNEL_ROWS new tokens (decodes, draft-verify runs) goes to
+`csrc/paged_decode_cpu.cpp` in one call per layer, each row seeing the keys up to its own
 position; longer prefill chunks (compute-bound) keep the torch reference's per-sequence SDPA. The kernel is compiled on
 first use with the machine's C++ compiler (torch.utils.cpp_extension, cached under
 ~/.cache/torch_extensions); where that fails, `available()` is False and the device module picks
@@ -45,47 +45,46 @@ def available() -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, p: LayerAttnParams,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [S, Hq, D], one token per sequence at position seq_lens-1 -> [S, Hq, D]."""
+                 sinks: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """q [R, Hq, D] -> [R, Hq, D]. Without cu_seqlens_q: one token per sequence (R == S) at
+    position seq_lens - 1. With it ([S + 1] int32): sequence s's rows cu[s]..cu[s + 1] end at
+    position seq_lens[s] - 1, each row seeing the keys up to its own position."""
     mod = kernel()
     assert mod is not None, "CPU paged-decode kernel not built"
     empty = torch.empty(0, dtype=torch.float32)
+    cu = torch.empty(0, dtype=torch.int32) if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     return mod.paged_decode(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
-                            seq_lens.contiguous(), p.scale, p.sliding_window or 0,
+                            seq_lens.contiguous(), cu, p.scale, p.sliding_window or 0,
                             p.softcap or 0.0, empty if sinks is None else sinks)
 
 
 # Sequences with at most this many new rows (decodes, draft-verify runs of k + 1, short chunks)
-# go through the decode kernel one row at a time; longer chunks keep the per-sequence SDPA.
-# Each row re-reads its sequence's K/V, which a 1,500-token Gemma context (1.5 MB a layer) keeps
-# in L2 between the run's rows; the SDPA path costs ~0.5 ms of host work per sequence and layer
-# (4-token verify runs at 16 requests: 166 ms of a 230 ms step in cProfile, before this path).
+# go through the decode kernel; longer chunks keep the per-sequence SDPA. The kernel walks a
+# run's KV once for all its rows; its maths per row is a decode's (no matmul), so long chunks
+# are better served by SDPA, while the SDPA path costs ~0.5 ms of host work per sequence and
+# layer (4-token verify runs at 16 requests: 166 ms of a 230 ms step in cProfile before this).
 MAX_KERNEL_ROWS = 16
 
 
-def _split(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """-> (q rows for the kernel [R], their block-table rows [R, max_blocks], each row's visible
-    length [R] int32, the sequences left to SDPA); found on the step's first layer and kept on
-    its metadata for the others."""
+def _split(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor, list[int]]:
+    """-> the kernel's share (q rows [R], block-table rows [S', max_blocks], seq_lens [S'],
+    cu_seqlens_q [S' + 1] over those rows) and the sequences left to SDPA; found on the step's
+    first layer and kept on its metadata for the others."""
     got = meta.derived.get("cpu_split")
     if got is None:
-        cu, lens = meta.cu_seqlens_q_host, meta.seq_lens_host
-        rows: list[int] = []
-        seqs: list[int] = []
-        vis: list[int] = []
-        rest: list[int] = []
-        for s in range(meta.num_seqs):
-            n = cu[s + 1] - cu[s]
-            if n > MAX_KERNEL_ROWS:
-                rest.append(s)
-                continue
-            for j in range(n):  # row j sits at position lens[s] - n + j and sees keys up to it
-                rows.append(cu[s] + j)
-                seqs.append(s)
-                vis.append(lens[s] - n + j + 1)
-        table = meta.block_table[torch.tensor(seqs, dtype=torch.long)].contiguous()
-        got = meta.derived["cpu_split"] = (torch.tensor(rows, dtype=torch.long), table,
-                                           torch.tensor(vis, dtype=torch.int32), rest)
+        cu = meta.cu_seqlens_q_host
+        short = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] <= MAX_KERNEL_ROWS]
+        rest = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] > MAX_KERNEL_ROWS]
+        rows = [t for s in short for t in range(cu[s], cu[s + 1])]
+        local = [0]
+        for s in short:
+            local.append(local[-1] + cu[s + 1] - cu[s])
+        idx = torch.tensor(short, dtype=torch.long)
+        got = meta.derived["cpu_split"] = (
+            torch.tensor(rows, dtype=torch.long), meta.block_table[idx].contiguous(),
+            meta.seq_lens[idx].contiguous(), torch.tensor(local, dtype=torch.int32), rest)
     return got
 
 
@@ -104,11 +103,12 @@ class CpuAttentionBackend:
             return paged_attention_ref(q, k_cache, v_cache, meta, p, sinks)
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:  # one row per sequence
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks)
-        rows, table, vis, rest = _split(meta)
-        if not rest:  # every row through the kernel, already in row order
-            return paged_decode(q, k_cache, v_cache, table, vis, p, sinks)
+        if meta.max_q_len <= MAX_KERNEL_ROWS:  # decodes and verify runs only: all to the kernel
+            return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks,
+                                meta.cu_seqlens_q)
+        rows, table, lens, cu, rest = _split(meta)
         out = torch.empty_like(q)
         if len(rows):
-            out[rows] = paged_decode(q[rows], k_cache, v_cache, table, vis, p, sinks)
+            out[rows] = paged_decode(q[rows], k_cache, v_cache, table, lens, p, sinks, cu)
         attend_seqs(q, k_cache, v_cache, meta, p, sinks, out, rest)
         return out

@@ -65,6 +65,39 @@ def test_head_sizes_block_sizes_dtypes(d: int, bs: int, dtype: torch.dtype) -> N
 MAX_ROWS = cpu_backend.MAX_KERNEL_ROWS
 
 
+@pytest.mark.parametrize("hq,hkv,d,dtype,window,softcap,sinks", [
+    (8, 2, 64, torch.float32, None, None, False),
+    (6, 1, 64, torch.float32, 20, None, True),  # head chunks of 4 + 2; window inside the run
+    (4, 1, 256, torch.bfloat16, 100, None, False),  # Gemma's local layers
+    (16, 8, 128, torch.bfloat16, None, 30.0, True),
+])
+def test_runs_of_rows(hq: int, hkv: int, d: int, dtype: torch.dtype, window: int | None,
+                      softcap: float | None, sinks: bool) -> None:
+    """Runs of 1..MAX_KERNEL_ROWS rows per sequence (draft-verify), each row causal over its
+    sequence's keys up to its own position, against the torch reference."""
+    q_lens = [random.randint(1, MAX_ROWS) for _ in range(7)] + [1, MAX_ROWS]
+    seq_lens = [random.randint(n, 900) for n in q_lens]
+    q, kc, vc, meta = make_case(q_lens, seq_lens, hq, hkv, d, 16, dtype, device="cpu")
+    p = LayerAttnParams(d ** -0.5, window, softcap)
+    sk = torch.randn(hq) if sinks else None
+    out = cpu_backend.paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, p, sk, meta.cu_seqlens_q)
+    ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, p, sk)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    err = rel_err(out, ref)
+    assert out.dtype == dtype and err < tol, f"rel err {err:.2e} >= {tol}"
+
+
+def test_runs_bad_metadata_is_a_clear_error() -> None:
+    q, kc, vc, meta = make_case([3, 2], [10, 5], 4, 1, 64, 16, torch.float32, device="cpu")
+    p = LayerAttnParams(0.125)
+    with pytest.raises(RuntimeError, match="span"):
+        cpu_backend.paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, p, None,
+                                 torch.tensor([0, 3, 4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="1..seq_len rows"):
+        cpu_backend.paged_decode(q, kc, vc, meta.block_table, torch.tensor([10, 1], dtype=torch.int32),
+                                 p, None, meta.cu_seqlens_q)
+
+
 @pytest.mark.parametrize("q_lens", [
     [1, 37, 1, 1, 4, 1, 120],  # decodes, a verify run, prefill chunks
     [4, 4, 1, 2, 4, 8, 4],  # verify runs and decodes only: every row through the kernel

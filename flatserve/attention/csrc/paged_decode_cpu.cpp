@@ -1,4 +1,5 @@
-// Paged decode attention on the CPU: one query token per sequence, KV read in place.
+// Paged decode attention on the CPU: one query token per sequence, or a short run of them
+// (draft-verify), KV read in place.
 //
 // The torch backend gathers each sequence's blocks into a new tensor and converts them to fp32
 // before two small matmuls: at 16 concurrent Gemma-3-270M requests that was ~40% of a decode
@@ -173,88 +174,108 @@ inline void prefetch_block(const T* k, const T* v, int64_t rs, int64_t rows, int
     }
 }
 
-// One (sequence, KV head): the g query heads that share the KV head read each K/V row once
-// (in chunks of up to 4 heads per pass over a block; a block's rows stay in L1 between passes).
+// One (sequence, KV head) with its run of n query rows (n = 1 for a decode; k + 1 for a
+// draft-verify run): row r sits at position len - n + r and sees keys up to it (and at most the
+// window). The g query heads of each row that share the KV head read each K/V row once, in
+// chunks of up to 4 heads per pass over a block; a block's rows stay in L1 between the passes of
+// every head chunk and every row of the run, so the run reads the sequence's KV from memory once.
 template <typename T>
-void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
+void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t n,
             const float* sinks, T* out, int64_t h, const Dims& m, float* qf, float* acc,
             float* sc) {
-  const int64_t g = m.g, d = m.d, bs = m.bs, rs = m.hkv * d;
-  std::vector<float> mx(g, -std::numeric_limits<float>::infinity()), den(g, 0.f);
-  for (int64_t c = 0; c < g * d; c += kLanes) st(qf + c, cvt(q + h * g * d + c));
-  std::fill(acc, acc + g * d, 0.f);
-  const int64_t k0 = m.window > 0 ? std::max<int64_t>(0, len - m.window) : 0;
+  const int64_t g = m.g, d = m.d, bs = m.bs, rs = m.hkv * d, qs = m.hq * d;
+  std::vector<float> mx(n * g, -std::numeric_limits<float>::infinity()), den(n * g, 0.f);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < g * d; c += kLanes) st(qf + r * g * d + c, cvt(q + r * qs + h * g * d + c));
+  std::fill(acc, acc + n * g * d, 0.f);
+  auto lo = [&](int64_t lr) { return m.window > 0 ? std::max<int64_t>(0, lr - m.window) : 0; };
   const int64_t b_end = (len + bs - 1) / bs;
-  for (int64_t b = k0 / bs; b < b_end; ++b) {
+  for (int64_t b = lo(len - n + 1) / bs; b < b_end; ++b) {
     const T* kb = kc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
     const T* vb = vc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
     if (b + 1 < b_end) {
       const int64_t nb = static_cast<int64_t>(table[b + 1]) * bs * m.hkv + h;
       prefetch_block(kc + nb * d, vc + nb * d, rs, std::min(bs, len - (b + 1) * bs), d);
     }
-    const int64_t t0 = std::max(k0, b * bs) - b * bs, t1 = std::min(len, (b + 1) * bs) - b * bs;
-    for (int64_t j = 0; j < g;) {
-      const int64_t n = std::min<int64_t>(4, g - j);
-      float* a = acc + j * d;
-      const float* qj = qf + j * d;
-      const T* qr = q + (h * g + j) * d;
-      if (n == 4) block_step<T, 4>(qr, qj, kb, vb, rs, t0, t1, m, &mx[j], &den[j], a, sc);
-      else if (n == 3) block_step<T, 3>(qr, qj, kb, vb, rs, t0, t1, m, &mx[j], &den[j], a, sc);
-      else if (n == 2) block_step<T, 2>(qr, qj, kb, vb, rs, t0, t1, m, &mx[j], &den[j], a, sc);
-      else block_step<T, 1>(qr, qj, kb, vb, rs, t0, t1, m, &mx[j], &den[j], a, sc);
-      j += n;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t lr = len - n + r + 1;  // keys this row sees: [lo(lr), lr)
+      const int64_t t0 = std::max(lo(lr), b * bs) - b * bs, t1 = std::min(lr, (b + 1) * bs) - b * bs;
+      if (t1 <= t0) continue;
+      for (int64_t j = 0; j < g;) {
+        const int64_t c = std::min<int64_t>(4, g - j), i = r * g + j;
+        float* a = acc + i * d;
+        const float* qj = qf + i * d;
+        const T* qr = q + r * qs + (h * g + j) * d;
+        if (c == 4) block_step<T, 4>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
+        else if (c == 3) block_step<T, 3>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
+        else if (c == 2) block_step<T, 2>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
+        else block_step<T, 1>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
+        j += c;
+      }
     }
   }
-  for (int64_t j = 0; j < g; ++j) {
-    float dj = den[j], corr = 1.f;
-    if (sinks != nullptr) {  // a logit that takes softmax mass but carries no value
-      const float s = sinks[h * g + j], nm = std::max(mx[j], s);
-      corr = std::exp(mx[j] - nm);
-      dj = dj * corr + std::exp(s - nm);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t i = r * g + j;
+      float dj = den[i], corr = 1.f;
+      if (sinks != nullptr) {  // a logit that takes softmax mass but carries no value
+        const float s = sinks[h * g + j], nm = std::max(mx[i], s);
+        corr = std::exp(mx[i] - nm);
+        dj = dj * corr + std::exp(s - nm);
+      }
+      const float f = dj > 0.f ? corr / dj : 0.f;
+      T* o = out + r * qs + (h * g + j) * d;
+      for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[i * d + e] * f);
     }
-    const float f = dj > 0.f ? corr / dj : 0.f;
-    for (int64_t i = 0; i < d; ++i) out[(h * g + j) * d + i] = static_cast<T>(acc[j * d + i] * f);
-  }
 }
 
+// Runs: sequence s owns q rows cu[s]..cu[s + 1] (cu == nullptr: row s alone).
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
-         const at::Tensor& lens, const float* sinks, at::Tensor& out, const Dims& m) {
-  const int64_t S = q.size(0);
+         const at::Tensor& lens, const int32_t* cu, const float* sinks, at::Tensor& out,
+         const Dims& m) {
+  const int64_t S = lens.size(0);
   const T* qp = q.data_ptr<T>();
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
   const int32_t* tp = table.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  // Longest sequences first, handed out one at a time: contexts are ragged (10..1,500 tokens in
-  // the CPU benchmark), and at::parallel_for's equal static halves left one core idle for much
-  // of a layer (one Gemma layer, 16 ragged decodes, benchmarks/cpu_decode_attention.py: 1.55 ->
-  // 1.32 ms full attention, 0.86 -> 0.81 ms with the 512 window).
+  auto first = [&](int64_t s) { return cu ? static_cast<int64_t>(cu[s]) : s; };
+  auto rows = [&](int64_t s) { return cu ? static_cast<int64_t>(cu[s + 1] - cu[s]) : 1; };
+  int64_t max_rows = 1;
+  for (int64_t s = 0; s < S; ++s) max_rows = std::max(max_rows, rows(s));
+  // Most work first (context x rows), handed out one at a time: contexts are ragged (10..1,500
+  // tokens in the CPU benchmark), and at::parallel_for's equal static halves left one core idle
+  // for much of a layer (one Gemma layer, 16 ragged decodes, benchmarks/cpu_decode_attention.py:
+  // 1.55 -> 1.32 ms full attention, 0.86 -> 0.81 ms with the 512 window).
   std::vector<int64_t> order(S * m.hkv);
   for (int64_t w = 0; w < S * m.hkv; ++w) order[w] = w;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return lp[a / m.hkv] > lp[b / m.hkv]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return lp[a / m.hkv] * rows(a / m.hkv) > lp[b / m.hkv] * rows(b / m.hkv);
+  });
   const int64_t n = static_cast<int64_t>(order.size());
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), n)))
   {
-    std::vector<float> qf(m.g * m.d), acc(m.g * m.d), sc(4 * m.bs);
+    std::vector<float> qf(max_rows * m.g * m.d), acc(max_rows * m.g * m.d), sc(4 * m.bs);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t s = order[i] / m.hkv, h = order[i] % m.hkv;
-      attend<T>(qp + s * m.hq * m.d, kp, vp, tp + s * m.max_blocks, lp[s], sinks,
-                op + s * m.hq * m.d, h, m, qf.data(), acc.data(), sc.data());
+      const int64_t s = order[i] / m.hkv, h = order[i] % m.hkv, f = first(s);
+      attend<T>(qp + f * m.hq * m.d, kp, vp, tp + s * m.max_blocks, lp[s], rows(s), sinks,
+                op + f * m.hq * m.d, h, m, qf.data(), acc.data(), sc.data());
     }
   }
 }
 
 }  // namespace
 
-// q [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_table [S, max_blocks] int32;
-// seq_lens [S] int32 (the query token sits at position seq_lens - 1); sinks [Hq] fp32 or empty.
+// q [R, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_table [S, max_blocks] int32;
+// seq_lens [S] int32; cu_seqlens_q [S + 1] int32 or empty (then R == S, one row each); sequence
+// s's rows are q[cu[s]:cu[s + 1]], the last at position seq_lens[s] - 1; sinks [Hq] fp32 or empty.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                        int64_t window, double softcap, const at::Tensor& sinks) {
+                        const at::Tensor& block_table, const at::Tensor& seq_lens,
+                        const at::Tensor& cu_seqlens_q, double scale, int64_t window,
+                        double softcap, const at::Tensor& sinks) {
   TORCH_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && block_table.is_cpu() &&
               seq_lens.is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
@@ -269,11 +290,26 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: head shapes (head size a multiple of 16)");
   at::Tensor sk = sinks.numel() ? sinks.to(at::kFloat).contiguous() : sinks;
   const float* sp = sinks.numel() ? sk.data_ptr<float>() : nullptr;
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(block_table.size(0) == S, "paged_decode: one block-table row per sequence");
+  const int32_t* cu = nullptr;
+  if (cu_seqlens_q.numel()) {
+    TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
+                cu_seqlens_q.numel() == S + 1, "paged_decode: int32 cu_seqlens_q [S + 1]");
+    cu = cu_seqlens_q.data_ptr<int32_t>();
+    const int32_t* lp = seq_lens.data_ptr<int32_t>();
+    TORCH_CHECK(cu[0] == 0 && cu[S] == q.size(0), "paged_decode: cu_seqlens_q must span q's rows");
+    for (int64_t s = 0; s < S; ++s)
+      TORCH_CHECK(cu[s + 1] > cu[s] && cu[s + 1] - cu[s] <= lp[s],
+                  "paged_decode: each sequence needs 1..seq_len rows");
+  } else {
+    TORCH_CHECK(q.size(0) == S, "paged_decode: without cu_seqlens_q, one q row per sequence");
+  }
   at::Tensor out = at::empty_like(q);
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(q, k_cache, v_cache, block_table, seq_lens, sp, out, m); break;
-    case at::kBFloat16: run<at::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, sp, out, m); break;
-    case at::kHalf: run<at::Half>(q, k_cache, v_cache, block_table, seq_lens, sp, out, m); break;
+    case at::kFloat: run<float>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m); break;
+    case at::kBFloat16: run<at::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m); break;
+    case at::kHalf: run<at::Half>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m); break;
     default: TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16");
   }
   return out;
