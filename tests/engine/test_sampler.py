@@ -108,3 +108,35 @@ def test_plain_greedy_on_model_dtype_equals_fp32_path() -> None:
     # One row asking for logprobs=0 sends the batch through the fp32 path: same tokens.
     toks0, lps0 = _sample(logits, plain[:-1] + [_req(SamplingParams(temperature=0, logprobs=0))])
     assert toks0.tolist() == toks.tolist() and lps0[-1] is not None and lps0[-1][0][0] == toks[-1].item()
+
+
+def test_row_chunks_change_nothing(monkeypatch) -> None:
+    """The fp32 path in chunks of rows (CHUNK_BYTES) gives each seeded, greedy or logprob row
+    the same token, acceptance and logprobs as one pass over all rows."""
+    import random
+
+    from flatserve.engine import sampler as sm
+
+    V = 500
+    groups = []
+    for i in range(9):  # requests verifying 0..3 drafts: rows of one request cross chunk edges
+        p = random.choice([SamplingParams(temperature=0.8, top_p=0.9, seed=i, logprobs=2),
+                           SamplingParams(temperature=0), SamplingParams(temperature=1.2, top_k=20, seed=50 + i)])
+        groups.append((_req(p, out=[3, 4]), [random.randrange(V) for _ in range(random.randint(0, 3))]))
+    rows = expand(groups)
+    logits = torch.randn(len(rows), V) * 3
+
+    def run() -> tuple:
+        s = Sampler(V, frozenset({0}), 0)
+        st = s.prepare(rows, torch.device("cpu"))
+        return s.sample(logits.clone(), rows, st)
+
+    toks, acc, lps = run()
+    monkeypatch.setattr(sm, "CHUNK_BYTES", 4 * V * 2)  # 2 rows a chunk
+    toks2, acc2, lps2 = run()
+    assert torch.equal(toks, toks2) and torch.equal(acc, acc2)
+    for a, b in zip(lps, lps2):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert all(abs(x - y) < 1e-6 for (_, x), (_, y) in zip(a, b))
