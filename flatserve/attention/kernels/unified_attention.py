@@ -182,6 +182,9 @@ def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_
 # Tiles for D <= 128: (BLOCK_M rows, KV TILE, warps, stages). Override for sweeps.
 PREFILL_CFG = tuple(int(x) for x in os.environ.get("FLATSERVE_PREFILL_CFG", "64,64,4,2").split(","))
 DECODE_CFG = tuple(int(x) for x in os.environ.get("FLATSERVE_DECODE_CFG", "16,64,4,2").split(","))
+# Register cap for decode launches (0: the compiler's choice); programs per SM can be bound by
+# registers before shared memory. Env override for sweeps.
+DECODE_MAXNREG = int(os.environ.get("FLATSERVE_DECODE_MAXNREG", "0"))
 
 
 def tile_config(meta: AttentionMetadata, qpk: int, D: int) -> tuple[int, int, int, int]:
@@ -254,7 +257,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         NUM_QPK=qpk, BLOCK_SIZE=bs, HEAD=D, HEAD_P=hp, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
         SEGMENTS=segments, USE_SOFTCAP=p.softcap is not None, USE_WINDOW=p.sliding_window is not None,
         USE_SINKS=sinks is not None, IEEE=q.dtype == torch.float32, USE_MAP=seq_map is not None,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages,
+        **({"maxnreg": DECODE_MAXNREG} if meta.is_decode_only and DECODE_MAXNREG else {}))
     if segments > 1:
         _merge_kernel[(T, Hq)](out, part_acc, part_ml, out.stride(0), out.stride(1), Hq,
                                HEAD=D, HEAD_P=hp, SEGMENTS=segments)
