@@ -2,10 +2,10 @@
 
 Every sequence with at most MAX_KERNEL_ROWS new tokens (decodes, draft-verify runs) goes to
 `csrc/paged_decode_cpu.cpp` in one call per layer, each row seeing the keys up to its own
-position; longer prefill chunks (compute-bound) keep the torch reference's per-sequence SDPA. The kernel is compiled on
-first use with the machine's C++ compiler (torch.utils.cpp_extension, cached under
-~/.cache/torch_extensions); where that fails, `available()` is False and the device module picks
-the torch backend instead.
+position; longer prefill chunks (compute-bound) keep the torch reference's per-sequence SDPA.
+The kernel is compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension,
+cached under ~/.cache/torch_extensions); where that fails, `available()` is False and the device
+module picks the torch backend instead.
 """
 from __future__ import annotations
 
