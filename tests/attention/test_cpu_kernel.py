@@ -68,6 +68,7 @@ MAX_ROWS = cpu_backend.MAX_KERNEL_ROWS
 @pytest.mark.parametrize("hq,hkv,d,dtype,window,softcap,sinks", [
     (8, 2, 64, torch.float32, None, None, False),
     (6, 1, 64, torch.float32, 20, None, True),  # head chunks of 4 + 2; window inside the run
+    (8, 2, 64, torch.float32, 4, None, False),  # a window shorter than the run itself
     (4, 1, 256, torch.bfloat16, 100, None, False),  # Gemma's local layers
     (16, 8, 128, torch.bfloat16, None, 30.0, True),
 ])
