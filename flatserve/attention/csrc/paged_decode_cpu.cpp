@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_math.h"
@@ -109,16 +110,17 @@ template <typename T, int G>
 void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t rs, int64_t t0,
                 int64_t t1, const Dims& m, float* mx, float* den, float* acc, float* sc) {
   const int64_t d = m.d, bs = m.bs;
+  constexpr int NK = G > 4 ? 2 : 4;  // NK x G score accumulators stay within the 32 registers
   int64_t t = t0;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (d % 32 == 0) {
-      for (; t + 4 <= t1; t += 4) scores_bf16<G, 4>(q, kb + t * rs, rs, d, sc + t, bs);
+      for (; t + NK <= t1; t += NK) scores_bf16<G, NK>(q, kb + t * rs, rs, d, sc + t, bs);
       for (; t < t1; ++t) scores_bf16<G, 1>(q, kb + t * rs, rs, d, sc + t, bs);
     }
   }
 #endif
-  for (; t + 4 <= t1; t += 4) scores<T, G, 4>(qf, kb + t * rs, rs, d, sc + t, bs);
+  for (; t + NK <= t1; t += NK) scores<T, G, NK>(qf, kb + t * rs, rs, d, sc + t, bs);
   for (; t < t1; ++t) scores<T, G, 1>(qf, kb + t * rs, rs, d, sc + t, bs);
   float corr[G];
   for (int j = 0; j < G; ++j) {
@@ -181,12 +183,19 @@ inline void prefetch_block(const T* k, const T* v, int64_t rs, int64_t rows, int
 // every head chunk and every row of the run, so the run reads the sequence's KV from memory once.
 template <typename T>
 void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t n,
-            const float* sinks, T* out, int64_t h, const Dims& m, float* qf, float* acc,
+            const float* sinks, T* out, int64_t h, const Dims& m, float* qf, T* qc, float* acc,
             float* sc) {
   const int64_t g = m.g, d = m.d, bs = m.bs, rs = m.hkv * d, qs = m.hq * d;
   std::vector<float> mx(n * g, -std::numeric_limits<float>::infinity()), den(n * g, 0.f);
-  for (int64_t r = 0; r < n; ++r)
+  // The run's query vectors for this KV head, [n, g, d], contiguous in fp32 (qf) and in the
+  // cache dtype (qc), so that 8 / g consecutive rows form one block_step of 8 vectors.
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy(q + r * qs + h * g * d, q + r * qs + (h + 1) * g * d, qc + r * g * d);
     for (int64_t c = 0; c < g * d; c += kLanes) st(qf + r * g * d + c, cvt(q + r * qs + h * g * d + c));
+  }
+  // Rows that see the same keys of a block are packed 8 / g at a time (g dividing 8): each K/V
+  // slice is then loaded and converted once for 8 query vectors instead of g.
+  const int64_t pack = (g < 8 && 8 % g == 0) ? 8 / g : 1;
   std::fill(acc, acc + n * g * d, 0.f);
   auto lo = [&](int64_t lr) { return m.window > 0 ? std::max<int64_t>(0, lr - m.window) : 0; };
   const int64_t b_end = (len + bs - 1) / bs;
@@ -197,15 +206,25 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
       const int64_t nb = static_cast<int64_t>(table[b + 1]) * bs * m.hkv + h;
       prefetch_block(kc + nb * d, vc + nb * d, rs, std::min(bs, len - (b + 1) * bs), d);
     }
+    auto span = [&](int64_t r) {  // this block's keys that row r sees, as [t0, t1) in the block
+      const int64_t lr = len - n + r + 1;  // keys the row sees: [lo(lr), lr)
+      return std::pair<int64_t, int64_t>(std::max(lo(lr), b * bs) - b * bs,
+                                         std::min(lr, (b + 1) * bs) - b * bs);
+    };
     for (int64_t r = 0; r < n; ++r) {
-      const int64_t lr = len - n + r + 1;  // keys this row sees: [lo(lr), lr)
-      const int64_t t0 = std::max(lo(lr), b * bs) - b * bs, t1 = std::min(lr, (b + 1) * bs) - b * bs;
+      const auto [t0, t1] = span(r);
       if (t1 <= t0) continue;
+      if (pack > 1 && r + pack <= n && span(r + pack - 1) == span(r)) {  // rows r..r+pack-1 alike
+        const int64_t i = r * g;
+        block_step<T, 8>(qc + i * d, qf + i * d, kb, vb, rs, t0, t1, m, &mx[i], &den[i], acc + i * d, sc);
+        r += pack - 1;
+        continue;
+      }
       for (int64_t j = 0; j < g;) {
         const int64_t c = std::min<int64_t>(4, g - j), i = r * g + j;
         float* a = acc + i * d;
         const float* qj = qf + i * d;
-        const T* qr = q + r * qs + (h * g + j) * d;
+        const T* qr = qc + i * d;
         if (c == 4) block_step<T, 4>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
         else if (c == 3) block_step<T, 3>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
         else if (c == 2) block_step<T, 2>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
@@ -257,12 +276,13 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   const int64_t n = static_cast<int64_t>(order.size());
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), n)))
   {
-    std::vector<float> qf(max_rows * m.g * m.d), acc(max_rows * m.g * m.d), sc(4 * m.bs);
+    std::vector<float> qf(max_rows * m.g * m.d), acc(max_rows * m.g * m.d), sc(8 * m.bs);
+    std::vector<T> qc(max_rows * m.g * m.d);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t s = order[i] / m.hkv, h = order[i] % m.hkv, f = first(s);
       attend<T>(qp + f * m.hq * m.d, kp, vp, tp + s * m.max_blocks, lp[s], rows(s), sinks,
-                op + f * m.hq * m.d, h, m, qf.data(), acc.data(), sc.data());
+                op + f * m.hq * m.d, h, m, qf.data(), qc.data(), acc.data(), sc.data());
     }
   }
 }
