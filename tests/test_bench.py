@@ -179,3 +179,23 @@ def test_dropped_connection_is_resent_and_counted() -> None:
                 progress=False)
     s = res["levels"][0]
     assert s["success"] == 3 and s["connection_retries"] == 3
+
+
+def test_offline_cpu_floor_and_bound_by_hand() -> None:
+    """The CPU benchmark's floor and one-token-step bound on a toy cost table, computed by hand:
+    2 prompts of 3 and 10 tokens, 3 output tokens each, 1 global + 1 window-4 layer."""
+    from benchmarks.offline_cpu import floor_and_bound, step_bytes
+
+    costs = {"layer_params": 10, "lm_head_params": 100, "weight_params": 110,
+             "kv_elems_per_token_layer": 2, "global_layers": 1, "window_layers": 1, "window": 4}
+    # Step k reads contexts 3+k-1 and 10+k-1 in the global layer, capped at 4 in the window one.
+    assert step_bytes(costs, [3, 10], 1, 2, 2) == 110 * 2 + ((3 + 10) + (3 + 4)) * 2 * 2
+    assert step_bytes(costs, [3, 10], 3, 2, 2) == 110 * 2 + ((5 + 12) + (4 + 4)) * 2 * 2
+    r = {"engine": "flatserve", "prompt_lens": [3, 10], "prompt_tokens": 13, "out_tokens": 6}
+    got = floor_and_bound(costs, r, 3, rate=1.0, bw=1.0, elt=2)
+    mem = [step_bytes(costs, [3, 10], k, 2, 2) for k in (1, 2, 3)]
+    assert got["t_memory"] == sum(mem)
+    assert got["t_compute"] == 2 * ((13 + 6) * 10 + 6 * 100)
+    # Bound: every prompt token's layers and each request's first LM-head row, then 2 steps.
+    assert got["t_bound"] == 2 * (13 * 10 + 2 * 100) + mem[1] + mem[2]
+    assert got["floor_tok_per_s"] == 6 / max(got["t_compute"], got["t_memory"])
