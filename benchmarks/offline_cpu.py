@@ -40,6 +40,7 @@ def run_flatserve(prompts: list[str], max_tokens: int, dtype: str, **engine_kw) 
     llm = LLM(dtype=dtype, kv_cache_memory=512 * 2**20, max_model_len=4096, **engine_kw)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm
+    before = llm.engine.stats()  # speculation counters of the timed run alone
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -47,7 +48,8 @@ def run_flatserve(prompts: list[str], max_tokens: int, dtype: str, **engine_kw) 
             "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
             "prompt_lens": [len(o.prompt_token_ids) for o in outs],
             "dtype": str(llm.engine.state.dtype), "cpu_gemm": llm.engine.state.cpu_gemm,
-            "fused_ops": sorted(llm.engine.state.fused_ops)}
+            "fused_ops": sorted(llm.engine.state.fused_ops),
+            **{k: v - before[k] for k, v in llm.engine.stats().items() if k.startswith("spec_")}}
 
 
 def run_transformers(prompts: list[str], max_tokens: int, dtype: str) -> dict:

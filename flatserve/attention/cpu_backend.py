@@ -62,8 +62,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # Sequences with at most this many new rows (decodes, draft-verify runs of k + 1, short chunks)
 # go through the decode kernel; longer chunks keep the per-sequence SDPA. The kernel walks a
 # run's KV once for all its rows; its maths per row is a decode's (no matmul), so long chunks
-# are better served by SDPA, while the SDPA path costs ~0.5 ms of host work per sequence and
-# layer (4-token verify runs at 16 requests: 166 ms of a 230 ms step in cProfile before this).
+# are better served by SDPA, whose per-sequence host work dominated short verify runs
+# (benchmarks/offline_cpu.py, 16 requests with ngram speculation: 139.9 -> 193.7-239.1 tok/s).
 MAX_KERNEL_ROWS = 16
 
 
@@ -101,8 +101,6 @@ class CpuAttentionBackend:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.shape[-1] % LANES:  # the kernel works in 16-lane slices of the head
             return paged_attention_ref(q, k_cache, v_cache, meta, p, sinks)
-        if meta.is_decode_only and q.shape[0] == meta.num_seqs:  # one row per sequence
-            return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks)
         if meta.max_q_len <= MAX_KERNEL_ROWS:  # decodes and verify runs only: all to the kernel
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks,
                                 meta.cu_seqlens_q)
