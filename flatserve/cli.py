@@ -32,9 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule step N+1 while step N runs (default: on for CUDA)")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="weight-only int8 (CPU): half the weight bytes per decode step")
-    p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto",
-                   help="CPU bf16 linears: oneDNN pre-packed weights (auto where the CPU has "
-                        "native bf16) or plain torch")
+    p.add_argument("--cpu-gemm", choices=["auto", "amx", "onednn", "torch"], default="auto",
+                   help="CPU bf16 linears: our AMX kernel, oneDNN pre-packed weights, or plain "
+                        "torch (auto: the first that runs here)")
     p.add_argument("--fused-ops", default="auto",
                    help="auto | none | comma list of rmsnorm,rope,act (Triton on CUDA, C++ on the CPU)")
     p.add_argument("--seed", type=int, default=0)

@@ -33,7 +33,8 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: on for CUDA without speculation
     fused_ops: str = "auto"  # auto | none | comma list of rmsnorm,rope,act (flatserve/ops)
     quantization: str | None = None  # None | "int8" (weight-only, CPU; flatserve/model/quant.py)
-    # CPU bf16 linears: auto | onednn (pre-packed weights, flatserve/model/onednn.py) | torch.
+    # CPU bf16 linears: auto | amx (our AMX kernel, flatserve/model/amx.py) | onednn (pre-packed
+    # weights, flatserve/model/onednn.py) | torch. auto: amx, else onednn, else torch.
     cpu_gemm: str = "auto"
     served_model_name: str | None = None
     chat_template: str | None = None  # path to a Jinja template overriding the model's
@@ -77,8 +78,8 @@ class EngineConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be int8 (weight-only) or unset, got {self.quantization!r}")
-        if self.cpu_gemm not in ("auto", "onednn", "torch"):
-            raise ValueError(f"cpu_gemm must be auto, onednn or torch, got {self.cpu_gemm!r}")
+        if self.cpu_gemm not in ("auto", "amx", "onednn", "torch"):
+            raise ValueError(f"cpu_gemm must be auto, amx, onednn or torch, got {self.cpu_gemm!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

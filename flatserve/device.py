@@ -1,6 +1,7 @@
 """Every hardware difference in one place: device choice, dtype choice, sync, memory probes."""
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -51,14 +52,24 @@ def check_backend(backend: str, device: torch.device) -> None:
                          f"{device.type}; use --attention-backend torch or --device {need}")
 
 
-def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: bf16 matmuls beat fp32. Without them bf16 is emulated and slower."""
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (Linux); empty elsewhere."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return frozenset(f.read().split())
     except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: bf16 matmuls beat fp32. Without them bf16 is emulated and slower."""
+    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
+
+
+def cpu_has_amx_bf16() -> bool:
+    """AMX bf16 tiles (Sapphire Rapids and later): flatserve/model/amx.py's kernel."""
+    return "amx_bf16" in _cpu_flags()
 
 
 def build_cpu_extension(name: str, source: str) -> object:

@@ -38,7 +38,7 @@ class EngineState:
     eos_token_ids: frozenset[int]
     weights_bytes: int
     fused_ops: frozenset[str] = frozenset()  # flatserve/ops kernels swapped in
-    cpu_gemm: str = "torch"  # how linears run: onednn (pre-packed, CPU bf16) | torch
+    cpu_gemm: str = "torch"  # how linears run: amx | onednn (pre-packed, CPU bf16) | torch
 
     @property
     def max_model_len(self) -> int:
@@ -116,8 +116,8 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
     if cfg.quantization:
         weights = _quantize(model, device)
-    if gemm == "onednn":
-        weights += _pack(model, device)
+    if gemm != "torch":
+        weights += _pack(model, device, gemm)
     draft = _load_draft(cfg, mcfg, dtype, device, gemm)
     ops.enable(model, fused, backend)
     if draft:
@@ -176,22 +176,31 @@ def _quantize(model: torch.nn.Module, device: torch.device) -> int:
 
 
 def _cpu_gemm(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """'onednn' where it applies (CPU, bf16 weights not quantized, oneDNN with native bf16)."""
-    from flatserve.model import onednn
+    """The linears' path: cfg.cpu_gemm where it applies; for auto the first of amx, onednn
+    (CPU, bf16 weights not quantized, oneDNN with native bf16 / AMX kernel built) or torch."""
+    from flatserve.model import amx, onednn
 
-    ok = device.type == "cpu" and not cfg.quantization and onednn.available(dtype)
-    if cfg.cpu_gemm == "onednn" and not ok:
-        raise ValueError(f"cpu_gemm 'onednn' needs the CPU, bf16 weights without quantization and "
-                         f"a torch with oneDNN on a CPU with native bf16; here: device "
-                         f"{device.type}, dtype {dtype}, quantization {cfg.quantization}")
-    return "onednn" if ok and cfg.cpu_gemm != "torch" else "torch"
+    if cfg.cpu_gemm == "torch" or device.type != "cpu" and cfg.cpu_gemm == "auto":
+        return "torch"
+    fits = device.type == "cpu" and not cfg.quantization
+    ok = {"amx": fits and amx.available(dtype), "onednn": fits and onednn.available(dtype)}
+    if cfg.cpu_gemm == "auto":
+        return next((name for name, can in ok.items() if can), "torch")
+    if not ok[cfg.cpu_gemm]:
+        need = " and a CPU with AMX bf16" if cfg.cpu_gemm == "amx" else ""
+        raise ValueError(f"cpu_gemm {cfg.cpu_gemm!r} needs the CPU, bf16 weights without "
+                         f"quantization and a torch with oneDNN on a CPU with native bf16{need}; "
+                         f"here: device {device.type}, dtype {dtype}, quantization "
+                         f"{cfg.quantization}")
+    return cfg.cpu_gemm
 
 
-def _pack(model: torch.nn.Module, device: torch.device) -> int:
-    """Linears into oneDNN's layout in place; -> bytes added (a tied LM head's second copy)."""
-    from flatserve.model.onednn import pack_linears
+def _pack(model: torch.nn.Module, device: torch.device, gemm: str) -> int:
+    """Linears into the `gemm` path's packed layout in place; -> bytes added (a tied LM head's
+    second copy)."""
+    from flatserve.model import amx, onednn
 
-    added = pack_linears(model)
+    added = (amx if gemm == "amx" else onednn).pack_linears(model)
     dev.release_freed_memory(device)
     return added
 
@@ -207,8 +216,8 @@ def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, devi
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
     if cfg.quantization:
         weights = _quantize(model, device)
-    if gemm == "onednn":
-        weights += _pack(model, device)
+    if gemm != "torch":
+        weights += _pack(model, device, gemm)
     return model, mcfg, weights
 
 

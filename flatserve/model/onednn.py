@@ -15,6 +15,8 @@ embedding: the embedding keeps its plain rows for the lookup, so that one matrix
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -48,8 +50,11 @@ class OneDNNLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear for OneDNNLinear in place; -> bytes added (a tied LM head's copy)."""
+def pack_linears(model: nn.Module,
+                 make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = OneDNNLinear,
+                 ) -> int:
+    """Swap every nn.Linear for `make(weight, bias)` (OneDNNLinear unless given) in place;
+    -> bytes added (a tied LM head's copy)."""
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     tied_weight = getattr(emb, "weight", None)
     added = 0
@@ -58,5 +63,5 @@ def pack_linears(model: nn.Module) -> int:
             if isinstance(child, nn.Linear):
                 if child.weight is tied_weight:
                     added += child.weight.numel() * child.weight.element_size()
-                setattr(parent, name, OneDNNLinear(child.weight, child.bias))
+                setattr(parent, name, make(child.weight, child.bias))
     return added

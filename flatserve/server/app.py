@@ -172,7 +172,7 @@ def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
           f"dtype {str(s.dtype).replace('torch.', '')}"
           f"{' (weights ' + cfg.quantization + ')' if cfg.quantization else ''}, device {s.device}, "
           f"backend {s.backend}{', fused ' + ','.join(sorted(s.fused_ops)) if s.fused_ops else ''}"
-          f"{', oneDNN linears' if s.cpu_gemm == 'onednn' else ''}"
+          f"{', ' + {'amx': 'AMX', 'onednn': 'oneDNN'}[s.cpu_gemm] + ' linears' if s.cpu_gemm != 'torch' else ''}"
           f"{', async scheduling' if state.engine.async_mode else ''}, "
           f"KV {s.budget.num_blocks - 1} blocks = {s.budget.token_capacity} tokens, "
           f"max_model_len {s.max_model_len}, http://{args.host}:{args.port}", flush=True)

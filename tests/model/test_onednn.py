@@ -1,5 +1,5 @@
-"""oneDNN pre-packed bf16 linears (`cpu_gemm="onednn"`): the layer against a float64 reference,
-and a whole bf16 model against the fp32 engine, no further off than the plain bf16 path."""
+"""oneDNN pre-packed bf16 linears (`cpu_gemm="onednn"`): the layer against a float64 reference and
+the packing of a tied head (the whole model: tests/model/test_cpu_gemm.py)."""
 from __future__ import annotations
 
 import random
@@ -48,37 +48,3 @@ def test_pack_linears_counts_a_tied_head_once_more() -> None:
     assert onednn.pack_linears(m) == 1000 * 64 * 2
     assert isinstance(m.lm_head, onednn.OneDNNLinear) and isinstance(m.model.proj, onednn.OneDNNLinear)
     assert m.model.embed_tokens.weight.shape == (1000, 64)  # the lookup keeps its plain rows
-
-
-@needs_onednn
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # untied / tied embedding
-def test_onednn_model_is_as_close_to_fp32_as_plain_bf16(family, tmp_path) -> None:
-    from flatserve import LLM, SamplingParams
-    from tests.conftest import build_checkpoint
-
-    path, _ = build_checkpoint(family, tmp_path)
-    rng = random.Random()
-    prompts = [{"prompt_token_ids": [rng.randrange(4, 500) for _ in range(rng.randint(1, 120))]}
-               for _ in range(6)]
-    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5, ignore_eos=True)
-    runs = {}
-    for name, kw in (("fp32", dict(dtype="float32")), ("torch", dict(dtype="bfloat16", cpu_gemm="torch")),
-                     ("onednn", dict(dtype="bfloat16", cpu_gemm="onednn"))):
-        llm = LLM(model=str(path), max_model_len=256, **kw)
-        assert llm.engine.state.cpu_gemm == ("onednn" if name == "onednn" else "torch")
-        runs[name] = [o.outputs[0].logprobs[0] for o in
-                      llm.generate(prompts, sp, use_tqdm=False)]
-        del llm
-
-    def worst(name: str) -> float:  # largest logprob gap to fp32 over tokens both list
-        return max(abs(a[t].logprob - b[t].logprob)
-                   for a, b in zip(runs[name], runs["fp32"]) for t in set(a) & set(b))
-
-    assert worst("onednn") <= max(2 * worst("torch"), 2e-2)
-
-
-def test_onednn_refused_where_it_cannot_apply() -> None:
-    from flatserve import LLM
-
-    with pytest.raises(ValueError, match="cpu_gemm 'onednn' needs"):
-        LLM(model=None, dtype="float32", cpu_gemm="onednn")

@@ -1,0 +1,52 @@
+"""Is decode 64 x 2,048 short of bandwidth because 512 equal programs cannot be spread evenly over
+the SMs? If so, the time tracks the largest per-SM load, not the total: 62, 64 and 66 sequences
+(496 / 512 / 528 programs at 4 per SM on 132 SMs) would take about the same time. Also the same
+batch split into 2 and 4 KV segments (with the merge pass).
+
+    PYTHONPATH=. python3 benchmarks/decode_balance.py [--seqs 56,60,62,64,66,68,72] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import triton
+
+from benchmarks.attention_kernels import BS, D, DT
+from flatserve.attention.base import LayerAttnParams
+from flatserve.attention.kernels import unified_attention as ua
+from tests.attention.cases import make_case
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="56,60,62,64,66,68,72")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    p = LayerAttnParams(D ** -0.5)
+    runs = [(int(n), 0) for n in a.seqs.split(",")] + [(64, 2), (64, 4)]
+    sets = {n: [make_case([1] * n, [a.ctx] * n, 32, 8, D, BS, DT) for _ in range(4)] for n, _ in runs}
+    times: dict[tuple[int, int], list[float]] = {r: [] for r in runs}
+    for _ in range(a.rounds):  # interleaved: drift falls on every variant alike
+        for n, seg in runs:
+            i = [0]
+
+            def run() -> None:
+                k = i[0] = (i[0] + 1) % 4
+                q, kc, vc, meta = sets[n][k]
+                ua.unified_attention(q, kc, vc, meta, p, segments=seg or None)
+
+            times[(n, seg)].append(triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median") * 1e3)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name(0)}, {sms} SMs, ctx {a.ctx}")
+    for (n, seg), t in times.items():
+        med = statistics.median(t)
+        kv = n * a.ctx * 8 * D * 2 * 2
+        print(f"seqs {n:3d} programs {n * 8 * max(seg, 1):5d} segments {seg or 'auto'}: {med:7.1f} us  "
+              f"{kv / med / 1e6:.2f} TB/s  per-seq {med / n:.3f} us  {[round(x, 1) for x in t]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+// bf16 y[M, N] = x[M, K] @ W[N, K]^T on Intel AMX tiles, W packed once at load (flatserve/model/amx.py).
+//
+// Why: a CPU decode step is a weight read. oneDNN's pre-packed path read Gemma 3's 262k x 640 LM
+// head at ~60% of this box's copy rate, and its per-call overhead doubled the time of the small
+// per-layer linears (1-5 MB). This kernel streams each weight exactly once for M <= 32 rows, with
+// a software prefetch two k-steps ahead. Measured A/B against oneDNN: benchmarks/cpu_gemv.py.
+//
+// Packed layout [N/64][K/32][4][16][16][2]: for a group of 64 output columns, each 32-wide k step
+// is four 1 KB B tiles in AMX's pair-interleaved (VNNI) form, so a group's panel is one
+// contiguous stream. A tiles are read straight from x (row stride K), zero-padded to whole
+// 16-row blocks. Accumulation is fp32 inside the tiles; the result is rounded to bf16 once (RNE),
+// as oneDNN and F.linear do.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define FLATSERVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#ifdef FLATSERVE_AMX
+constexpr int64_t kGroupBytes = 4 * 1024;  // one k step of a 64-column group: four B tiles
+constexpr int kPrefetch = 2 * kGroupBytes; // best of 0 / 4 / 8 KB on the LM head at 16 rows
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile used is 16 rows x 64 bytes: C tiles hold 16x16 fp32, A 16x32 bf16, B 16 k-pairs x 16.
+void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+// Rounds 16 fp32 rows of one C tile's spill buffer (+ its 16 bias values, or none) into y
+// (row stride N), rows < `rows` only: the bias joins before the one rounding, as in F.linear.
+inline void store_rows(const float (*c)[16], const at::BFloat16* bias, at::BFloat16* y, int64_t N,
+                       int64_t rows) {
+  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16))
+                        : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N), reinterpret_cast<__m256i>(
+                            _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[r]), b))));
+}
+
+struct Problem {  // one call: x [M(padded), K], W packed, bias [N] or null, y [M, N]
+  const char* x;
+  const char* w;
+  const at::BFloat16* bias;
+  at::BFloat16* y;
+  int64_t M, N, K;
+  const at::BFloat16* bias_at(int64_t col) const { return bias ? bias + col : nullptr; }
+};
+
+// Up to 2 row blocks: 1 x 4 tiles (C0..C3 one row block x 64 columns); the weight panel is read
+// from memory once and, for a second row block, again from L2 (80 KB at K = 640).
+void gemm_1x4(const Problem& p, int64_t g0, int64_t g1) {
+  const int64_t M = p.M, N = p.N, K = p.K, KB = K / 32;
+  alignas(64) float c[4][16][16];
+  for (int64_t g = g0; g < g1; ++g) {
+    const char* wg = p.w + g * KB * kGroupBytes;
+    for (int64_t rb = 0; rb * 16 < M; ++rb) {
+      const char* xa = p.x + rb * 16 * K * 2;
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const char* wk = wg + kb * kGroupBytes;
+        for (int b = 0; b < kGroupBytes; b += 64) _mm_prefetch(wk + kPrefetch + b, _MM_HINT_T0);
+        _tile_loadd(4, xa + kb * 64, K * 2);
+        _tile_loadd(5, wk, 64);        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, wk + 1024, 64); _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, wk + 2048, 64); _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, wk + 3072, 64); _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+      const int64_t rows = std::min<int64_t>(16, M - rb * 16);
+      for (int j = 0; j < 4; ++j)
+        store_rows(c[j], p.bias_at(g * 64 + j * 16), p.y + rb * 16 * N + g * 64 + j * 16, N, rows);
+    }
+  }
+}
+
+// More rows (verify steps, prefill chunks): 2 x 2 tiles, each loaded A and B tile used twice.
+// Rows go in chunks of 16 blocks (256 rows, <= 1 MB of x at K = 2048) so that x stays in L2
+// while the chunk sweeps this thread's columns. x is padded to an even number of row blocks.
+void gemm_2x2(const Problem& p, int64_t g0, int64_t g1) {
+  constexpr int64_t kChunk = 16;
+  const int64_t M = p.M, N = p.N, K = p.K, KB = K / 32, RB = (M + 31) / 32 * 2;
+  alignas(64) float c[2][2][16][16];
+  for (int64_t r0 = 0; r0 < RB; r0 += kChunk) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int jp = 0; jp < 4; jp += 2) {
+        const char* wj = p.w + g * KB * kGroupBytes + jp * 1024;
+        for (int64_t rb = r0; rb < std::min(RB, r0 + kChunk); rb += 2) {
+          const char* xa = p.x + rb * 16 * K * 2;
+          const char* xb = xa + 16 * K * 2;
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            const char* wk = wj + kb * kGroupBytes;
+            _tile_loadd(4, xa + kb * 64, K * 2);
+            _tile_loadd(6, wk, 64);        _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, wk + 1024, 64); _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, xb + kb * 64, K * 2);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(0, c[0][0], 64); _tile_stored(1, c[0][1], 64);
+          _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
+          for (int h = 0; h < 2; ++h) {
+            const int64_t rows = std::min<int64_t>(16, M - (rb + h) * 16);
+            for (int j = 0; j < 2; ++j) {
+              const int64_t col = g * 64 + (jp + j) * 16;
+              store_rows(c[h][j], p.bias_at(col), p.y + (rb + h) * 16 * N + col, N, rows);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
+bool available() {
+#ifdef FLATSERVE_AMX
+  // Linux hands out the 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA);
+  // the grant is process-wide, so one call covers torch's worker threads.
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bf16, w_packed [N/64, K/32, 4, 16, 16, 2] bf16, bias [N] bf16 or empty -> y [M, N].
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, const torch::Tensor& bias) {
+  TORCH_CHECK(available(), "AMX bf16 tiles are not available in this process");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w_packed.dim() == 6 &&
+              w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous(),
+              "amx linear: x [M, K] bf16 and a packed bf16 weight");
+  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0) * 64;
+  TORCH_CHECK(w_packed.size(1) * 32 == K, "amx linear: x has K=", K, ", the weight ",
+              w_packed.size(1) * 32);
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() &&
+                                     bias.scalar_type() == at::kBFloat16), "amx linear: bias [N] bf16");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const bool wide = M > 32;
+  const int64_t padded = wide ? (M + 31) / 32 * 32 : (M + 15) / 16 * 16;
+  torch::Tensor xs = x.contiguous();
+  if (padded != M) {  // the A tile loads whole 16-row blocks
+    xs = torch::zeros({padded, K}, x.options());
+    xs.narrow(0, 0, M).copy_(x);
+  }
+#ifdef FLATSERVE_AMX
+  const Problem p{static_cast<const char*>(xs.data_ptr()), static_cast<const char*>(w_packed.data_ptr()),
+                  bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
+                  M, N, K};
+  // Whole 64-column groups per thread: each thread streams one contiguous slice of the weight.
+  at::parallel_for(0, N / 64, 1, [&](int64_t g0, int64_t g1) {
+    load_tile_config();
+    if (wide) gemm_2x2(p, g0, g1);
+    else gemm_1x4(p, g0, g1);
+    _tile_release();
+  });
+#endif
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "AMX bf16 compiled in and tile state granted to this process");
+  m.def("linear", &linear, "x [M, K] bf16 @ packed W (+ bias) -> [M, N] bf16");
+}

@@ -1,0 +1,60 @@
+"""The AMX bf16 linears (`cpu_gemm="amx"`, flatserve/model/amx.py): the layer against a float64
+reference element by element for every row-count path (1 x 4 tiles up to 32 rows, 2 x 2 above,
+partial 16-row blocks), bias, strided input, and the packing's fallback to oneDNN."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from flatserve.model import amx, onednn
+
+needs_amx = pytest.mark.skipif(not amx.available(torch.bfloat16),
+                               reason="no AMX bf16 (CPU, kernel build or OS grant) here")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [0, 1, 4, 8, 9, 16, 17, 32, 150])  # the kernel sees 2 x rows
+def test_amx_linear_matches_float64_reference(rows: int) -> None:
+    N = 64 * random.randint(1, 24)
+    K = 32 * random.choice([1, 3, 20, 64])
+    w = (torch.randn(N, K) * torch.rand(N, 1) * 3).bfloat16()
+    bias = torch.randn(N).bfloat16() if rows % 2 else None  # both kernels, with and without
+    wide = torch.randn(2, rows, K + 32).bfloat16()
+    x = wide[..., 16:16 + K]  # [2, rows, K], rows strided: the kernel must not assume contiguity
+    got = amx.AMXLinear(w, bias)(x)
+    assert got.shape == (2, rows, N) and got.dtype == torch.bfloat16
+    if rows == 0:
+        return
+    ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    # One bf16 rounding of an fp32 sum: at most half a bf16 ulp (2^-8 relative) plus fp32
+    # accumulation error, far below it at these K.
+    slack = (x.double().abs() @ w.double().abs().t()) * 1e-5
+    assert ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -8 + slack).all()
+    plain = nn.functional.linear(x, w, bias).double()
+    assert (got.double() - ref).norm() <= 1.5 * (plain - ref).norm() + 1e-6
+
+
+@needs_amx
+def test_amx_pack_falls_back_to_onednn_and_counts_a_tied_head() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Module()
+            self.model.embed_tokens = nn.Embedding(1024, 64, dtype=torch.bfloat16)
+            self.model.proj = nn.Linear(64, 128, dtype=torch.bfloat16)
+            self.model.odd = nn.Linear(64, 100, dtype=torch.bfloat16)  # 100 % 64 != 0
+            self.lm_head = nn.Linear(64, 1024, bias=False, dtype=torch.bfloat16)
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    m = M()
+    x = torch.randn(3, 64).bfloat16()
+    before = [m.model.proj(x), m.model.odd(x), m.lm_head(x)]
+    assert amx.pack_linears(m) == 1024 * 64 * 2
+    assert isinstance(m.lm_head, amx.AMXLinear) and isinstance(m.model.proj, amx.AMXLinear)
+    assert isinstance(m.model.odd, onednn.OneDNNLinear)
+    assert m.model.embed_tokens.weight.shape == (1024, 64)  # the lookup keeps its plain rows
+    for a, b in zip(before, [m.model.proj(x), m.model.odd(x), m.lm_head(x)]):
+        torch.testing.assert_close(b, a, atol=0.02, rtol=0.02)
