@@ -180,7 +180,7 @@ def _cpu_gemm(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> st
     (CPU, bf16 weights not quantized, oneDNN with native bf16 / AMX kernel built) or torch."""
     from flatserve.model import amx, onednn
 
-    if cfg.cpu_gemm == "torch" or device.type != "cpu" and cfg.cpu_gemm == "auto":
+    if cfg.cpu_gemm == "torch" or (device.type != "cpu" and cfg.cpu_gemm == "auto"):
         return "torch"
     fits = device.type == "cpu" and not cfg.quantization
     ok = {"amx": fits and amx.available(dtype), "onednn": fits and onednn.available(dtype)}

@@ -61,6 +61,8 @@ class AMXLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         assert fits(weight), weight.shape
+        self._ext = _ext()
+        assert self._ext is not None and self._ext.available(), "AMX kernel not available here"
         self.out_features, self.in_features = n, k = weight.shape
         # W[64g + 16j + c, 32s + 2p + e] -> packed[g, s, j, p, c, e]: k pairs interleaved (VNNI).
         self.packed = (weight.detach().reshape(n // 64, 4, 16, k // 32, 16, 2)
@@ -69,7 +71,7 @@ class AMXLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         lead = x.shape[:-1]
-        y = _module.linear(x.reshape(-1, self.in_features), self.packed, self.bias)  # [M, N]
+        y = self._ext.linear(x.reshape(-1, self.in_features), self.packed, self.bias)  # [M, N]
         return y.reshape(*lead, self.out_features)
 
 

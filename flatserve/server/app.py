@@ -159,6 +159,9 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+_GEMM_NAMES = {"amx": ", AMX linears", "onednn": ", oneDNN linears"}  # start-up line
+
+
 def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
     import signal
 
@@ -172,7 +175,7 @@ def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
           f"dtype {str(s.dtype).replace('torch.', '')}"
           f"{' (weights ' + cfg.quantization + ')' if cfg.quantization else ''}, device {s.device}, "
           f"backend {s.backend}{', fused ' + ','.join(sorted(s.fused_ops)) if s.fused_ops else ''}"
-          f"{', ' + {'amx': 'AMX', 'onednn': 'oneDNN'}[s.cpu_gemm] + ' linears' if s.cpu_gemm != 'torch' else ''}"
+          f"{_GEMM_NAMES.get(s.cpu_gemm, '')}"
           f"{', async scheduling' if state.engine.async_mode else ''}, "
           f"KV {s.budget.num_blocks - 1} blocks = {s.budget.token_capacity} tokens, "
           f"max_model_len {s.max_model_len}, http://{args.host}:{args.port}", flush=True)
