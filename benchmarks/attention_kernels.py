@@ -1,9 +1,12 @@
 """Attention kernel timings on the GPU, against measured ceilings and a padded-SDPA peer.
 
     PYTHONPATH=. python3 benchmarks/attention_kernels.py [--out docs/benchmarks/kernels.json]
+        [--timer events|do_bench]
 
-Per case: median time (CUDA events via triton.testing.do_bench, warm, inputs rotated over 4
-copies so L2 does not hold them), KV bytes actually needed / time, attention FLOPs / time,
+Per case: median time (CUDA events, warm, inputs rotated over 4 copies so L2 does not hold
+them; `--timer` in benchmarks/timing.py's gpu_ms: `events` puts a GPU spin before each call,
+`do_bench`, the harness of sessions 1-7, a 256 MB memset whose dirty lines the timed kernel
+writes back), KV bytes actually needed / time, attention FLOPs / time,
 and the same case through torch SDPA on padded [S, H, L_max, D] copies (a padded-cache peer).
 """
 from __future__ import annotations
@@ -13,9 +16,9 @@ import json
 import sys
 
 import torch
-import triton
 
 sys.path.insert(0, ".")
+from benchmarks.timing import gpu_ms  # noqa: E402
 from flatserve.attention.base import LayerAttnParams  # noqa: E402
 from flatserve.attention.kernels.unified_attention import unified_attention  # noqa: E402
 from tests.attention.test_kernels import make_case  # noqa: E402
@@ -37,15 +40,16 @@ CASES = [  # name, q_lens, seq_lens, hq, hkv
     ("16/4: mixed 32 decodes + 4 x 512", [1] * 32 + [512] * 4, [2048] * 32 + [512] * 4, 16, 4),
 ]
 D, BS, DT = 128, 16, torch.bfloat16
+TIMER = "events"  # --timer
 
 
 def ceilings() -> dict:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    t = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    t = gpu_ms(lambda: y.copy_(x), TIMER)
     a = torch.randn(8192, 8192, dtype=DT, device="cuda")
     b = torch.randn(8192, 8192, dtype=DT, device="cuda")
-    tm = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    tm = gpu_ms(lambda: a @ b, TIMER)
     return {"copy_GBps": 2 * x.numel() / t / 1e6, "matmul_TFLOPs": 2 * 8192**3 / tm / 1e9}
 
 
@@ -92,7 +96,7 @@ def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True, flex: b
         q, kc, vc, meta = sets[k]
         unified_attention(q, kc, vc, meta, p, out=outs[k])
 
-    t = triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")  # ms
+    t = gpu_ms(run, TIMER)  # ms
     # The alternative: a host-built q-block -> sequence map instead of the in-kernel binary search.
     from flatserve.attention.kernels.unified_attention import build_seq_map, tile_config
 
@@ -105,7 +109,7 @@ def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True, flex: b
         q, kc, vc, meta = sets[k]
         unified_attention(q, kc, vc, meta, p, out=outs[k], seq_map=maps[k])
 
-    t_map = triton.testing.do_bench(run_map, warmup=50, rep=300, return_mode="median")
+    t_map = gpu_ms(run_map, TIMER)
     kv, fl = costs(q_lens, seq_lens, hq, hkv)
     row = {"case": name, "us": t * 1e3, "map_us": t_map * 1e3, "kv_TBps": kv / t / 1e9, "TFLOPs": fl / t / 1e9,
            "floor_us": max(kv / (ceil["copy_GBps"] * 1e9), fl / (ceil["matmul_TFLOPs"] * 1e12)) * 1e6}
@@ -122,8 +126,7 @@ def bench_case(name, q_lens, seq_lens, hq, hkv, ceil, peer: bool = True, flex: b
             qq, kk, vv = padded[k]
             F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
 
-        row["sdpa_padded_us"] = triton.testing.do_bench(run_sdpa, warmup=20, rep=200,
-                                                        return_mode="median") * 1e3
+        row["sdpa_padded_us"] = gpu_ms(run_sdpa, TIMER) * 1e3
     except torch.OutOfMemoryError:
         row["sdpa_padded_us"] = None
     return row
@@ -144,7 +147,7 @@ def flex_case(sets, p: LayerAttnParams, i) -> dict:
             k = i[0] = (i[0] + 1) % 4
             runners[k][0]()
 
-        t = triton.testing.do_bench(run_flex, warmup=20, rep=200, return_mode="median")
+        t = gpu_ms(run_flex, TIMER)
         return {"flex_us": t * 1e3, "flex_rel_err": err}
     except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported, not fatal
         return {"flex_us": None, "flex_error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -156,9 +159,12 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="comma-separated substrings; empty = all")
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention over the paged cache")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--timer", choices=["events", "do_bench"], default="events")
     a = ap.parse_args()
+    global TIMER
+    TIMER = a.timer
     ceil = ceilings()
-    print(f"GPU: {torch.cuda.get_device_name()}  copy {ceil['copy_GBps']:.0f} GB/s (read+write)  "
+    print(f"GPU: {torch.cuda.get_device_name()}  timer {TIMER}  copy {ceil['copy_GBps']:.0f} GB/s (read+write)  "
           f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
     want = [w for w in a.cases.split(",") if w]
     rows = []
@@ -178,7 +184,8 @@ def main() -> None:
 
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "rows": rows}, f, indent=1)
+        json.dump({"gpu": torch.cuda.get_device_name(), "timer": TIMER, "ceilings": ceil, "rows": rows},
+                  f, indent=1)
 
 
 if __name__ == "__main__":
