@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable
 
 import torch
 
@@ -51,6 +52,19 @@ def ceilings() -> dict:
     b = torch.randn(8192, 8192, dtype=DT, device="cuda")
     tm = gpu_ms(lambda: a @ b, TIMER)
     return {"copy_GBps": 2 * x.numel() / t / 1e6, "matmul_TFLOPs": 2 * 8192**3 / tm / 1e9}
+
+
+def rotated_run(sets: list, p: LayerAttnParams, **kw) -> Callable[[], None]:
+    """unified_attention on the next of `sets` at each call: inputs rotate, so L2 holds none."""
+    outs = [torch.empty_like(s[0]) for s in sets]
+    i = [0]
+
+    def run() -> None:
+        k = i[0] = (i[0] + 1) % len(sets)
+        q, kc, vc, meta = sets[k]
+        unified_attention(q, kc, vc, meta, p, out=outs[k], **kw)
+
+    return run
 
 
 def costs(q_lens: list[int], seq_lens: list[int], hq: int, hkv: int) -> tuple[int, int]:

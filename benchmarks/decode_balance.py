@@ -13,9 +13,8 @@ import statistics
 import torch
 import triton
 
-from benchmarks.attention_kernels import BS, D, DT
+from benchmarks.attention_kernels import BS, D, DT, rotated_run
 from flatserve.attention.base import LayerAttnParams
-from flatserve.attention.kernels import unified_attention as ua
 from tests.attention.cases import make_case
 
 
@@ -31,13 +30,7 @@ def main() -> None:
     times: dict[tuple[int, int], list[float]] = {r: [] for r in runs}
     for _ in range(a.rounds):  # interleaved: drift falls on every variant alike
         for n, seg in runs:
-            i = [0]
-
-            def run() -> None:
-                k = i[0] = (i[0] + 1) % 4
-                q, kc, vc, meta = sets[n][k]
-                ua.unified_attention(q, kc, vc, meta, p, segments=seg or None)
-
+            run = rotated_run(sets[n], p, segments=seg or None)
             times[(n, seg)].append(triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median") * 1e3)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name(0)}, {sms} SMs, ctx {a.ctx}")

@@ -14,7 +14,7 @@ import statistics
 import torch
 import triton
 
-from benchmarks.attention_kernels import BS, CASES, D, DT
+from benchmarks.attention_kernels import BS, CASES, D, DT, rotated_run
 from flatserve.attention.base import LayerAttnParams
 from flatserve.attention.kernels import unified_attention as ua
 from tests.attention.cases import make_case
@@ -32,13 +32,7 @@ def main() -> None:
     for case in a.cases.split(","):
         name, q_lens, seq_lens, hq, hkv = next(c for c in CASES if c[0] == case)
         sets = [make_case(q_lens, seq_lens, hq, hkv, D, BS, DT) for _ in range(4)]
-        outs = [torch.empty_like(s[0]) for s in sets]
-        i = [0]
-
-        def run() -> None:
-            k = i[0] = (i[0] + 1) % 4
-            q, kc, vc, meta = sets[k]
-            ua.unified_attention(q, kc, vc, meta, p, out=outs[k])
+        run = rotated_run(sets, p)
 
         times: dict[tuple, list[float]] = {c: [] for c in cfgs}
         ref = None
