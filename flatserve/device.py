@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -97,6 +99,28 @@ def build_cpu_extension(name: str, source: str) -> object:
     return load(name=name, sources=[source], extra_include_paths=[str(shared)],
                 extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", f"-DFLATSERVE_HEADERS={tag}", *arch],
                 extra_ldflags=["-fopenmp"], verbose=False)
+
+
+class CpuExtension:
+    """A C++ extension built on the first call and returned from then on; None where the build
+    failed (no compiler, ninja or headers), with the reason in `error`, logged once together with
+    what runs instead (`fallback`)."""
+
+    def __init__(self, name: str, source: str, fallback: str) -> None:
+        self.name, self.source, self.fallback = name, source, fallback
+        self.error: str | None = None
+        self._built: list[ModuleType | None] = []
+
+    def __call__(self) -> ModuleType | None:
+        if not self._built:
+            try:
+                self._built.append(build_cpu_extension(self.name, self.source))
+            except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
+                self._built.append(None)
+                self.error = build_error(e)
+                logging.getLogger(__name__).warning("%s unavailable (%s); %s", self.name, self.error,
+                                                    self.fallback)
+        return self._built[0]
 
 
 def build_error(e: Exception) -> str:

@@ -9,9 +9,7 @@ module picks the torch backend instead.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -20,23 +18,10 @@ from flatserve.attention.base import LayerAttnParams
 from flatserve.attention.metadata import AttentionMetadata
 from flatserve.attention.torch_backend import attend_seqs, paged_attention_ref, write_kv
 
-log = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 LANES = 16  # the kernel's slice width (kLanes): head sizes must be multiples of it
-_module: ModuleType | None = None
-_error: str | None = None
-
-
-def kernel() -> ModuleType | None:
-    """The compiled module, built once per process (None, with the reason logged, if it fails)."""
-    global _module, _error
-    if _module is None and _error is None:
-        try:
-            _module = dev.build_cpu_extension("flatserve_paged_decode_cpu", str(_SRC))
-        except Exception as e:  # no compiler, no ninja, headers missing: fall back, say why
-            _error = dev.build_error(e)
-            log.warning("CPU paged-decode kernel unavailable (%s); using the torch backend", _error)
-    return _module
+# The compiled module, built once per process (None, with the reason logged, if it fails).
+kernel = dev.CpuExtension("flatserve_paged_decode_cpu", str(_SRC), "attention uses the torch backend")
 
 
 def available() -> bool:
@@ -93,7 +78,8 @@ class CpuAttentionBackend:
 
     def __init__(self) -> None:
         if kernel() is None:
-            raise ValueError(f"attention backend 'cpu' needs its C++ kernel, which did not build: {_error}")
+            raise ValueError(f"attention backend 'cpu' needs its C++ kernel, which did not build: "
+                             f"{kernel.error}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

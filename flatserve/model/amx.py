@@ -13,9 +13,7 @@ oneDNN's, the packed weight replaces the plain one, except a tied LM head (count
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -23,22 +21,9 @@ from torch import nn
 from flatserve import device as dev
 from flatserve.model import onednn
 
-log = logging.getLogger(__name__)
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "amx_gemm_cpu.cpp"
-_module: ModuleType | None = None
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)
-_error: str | None = None
-
-
-def _ext() -> ModuleType | None:
-    global _module, _error
-    if _module is None and _error is None:
-        try:
-            _module = dev.build_cpu_extension("flatserve_amx_gemm", str(_SRC))
-        except Exception as e:  # no compiler: oneDNN's packing serves instead
-            _error = dev.build_error(e)
-            log.warning("AMX GEMM unavailable (%s); using oneDNN", _error)
-    return _module
+_ext = dev.CpuExtension("flatserve_amx_gemm", str(_SRC), "linears use oneDNN")
 
 
 def available(dtype: torch.dtype) -> bool:

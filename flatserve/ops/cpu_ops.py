@@ -3,30 +3,15 @@ are their reference. Built on first use from `csrc/fused_cpu.cpp` (cached); wher
 fails, `available()` is False and `--fused-ops auto` enables nothing on the CPU (logged)."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from flatserve import device as dev
 
-log = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
-_module: ModuleType | None = None
-_error: str | None = None
 ACTS = ("silu", "gelu_pytorch_tanh")
-
-
-def module() -> ModuleType | None:
-    global _module, _error
-    if _module is None and _error is None:
-        try:
-            _module = dev.build_cpu_extension("flatserve_fused_cpu", str(_SRC))
-        except Exception as e:  # no compiler: the torch layers run instead
-            _error = dev.build_error(e)
-            log.warning("CPU fused ops unavailable (%s); using the torch layers", _error)
-    return _module
+module = dev.CpuExtension("flatserve_fused_cpu", str(_SRC), "the torch layers run instead")
 
 
 def available() -> bool:

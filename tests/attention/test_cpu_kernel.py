@@ -15,7 +15,7 @@ from flatserve.attention.torch_backend import TorchAttentionBackend, paged_atten
 from tests.attention.cases import make_case, rel_err
 
 pytestmark = pytest.mark.skipif(not cpu_backend.available(),
-                                reason=f"CPU kernel did not build: {cpu_backend._error}")
+                                reason=f"CPU kernel did not build: {cpu_backend.kernel.error}")
 
 
 def _ragged(n: int, lo: int, hi: int) -> list[int]:
