@@ -1,9 +1,11 @@
 """Where a CPU decode step goes: torch profiler over 5 engine steps at N concurrent requests.
 
     .venv/bin/python benchmarks/cpu_profile_step.py 1 [--quantization int8]
-    .venv/bin/python benchmarks/cpu_profile_step.py 16
+    .venv/bin/python benchmarks/cpu_profile_step.py 16 [--by-kernel]
 
 Default model, bf16; prompts of 10..1,500 random tokens (seeded), decoding after their prefill.
+The torch profiler sees aten ops only, not our C++ extensions; --by-kernel instead times 20
+steps with wall clocks around the packed linears (LM head apart) and the attention backend.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("n", type=int)
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--by-kernel", action="store_true")
     a = ap.parse_args()
+    spent = _time_kernels() if a.by_kernel else None
     llm = LLM(dtype="bfloat16", max_num_seqs=a.n, max_model_len=4096, kv_cache_memory=512 * 2**20,
               quantization=a.quantization)
     eng = llm.engine
@@ -39,10 +43,52 @@ def main() -> None:
     for _ in range(10):
         eng.step()
     print(f"{(time.perf_counter() - t) / 10 * 1e3:.1f} ms per decode step at {a.n} requests")
+    if spent is not None:
+        spent.clear()
+        t = time.perf_counter()
+        for _ in range(20):
+            eng.step()
+        step = (time.perf_counter() - t) / 20 * 1e3
+        print(f"by kernel, 20 steps: {step:.1f} ms a step")
+        for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:28s} {v / 20 * 1e3:6.2f} ms")
+        print(f"  {'everything else':28s} {step - sum(spent.values()) / 20 * 1e3:6.2f} ms")
+        return
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             eng.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+
+
+def _time_kernels() -> dict[str, float]:
+    """Wraps the linears' and the attention backend's forward with wall clocks; -> seconds by
+    label, filled as steps run."""
+    import collections
+
+    from flatserve.attention.cpu_backend import CpuAttentionBackend
+    from flatserve.model.amx import AMXLinear
+    from flatserve.model.onednn import OneDNNLinear
+
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(cls: type, label) -> None:
+        inner = cls.forward
+
+        def forward(self, *args, **kw):
+            t = time.perf_counter()
+            out = inner(self, *args, **kw)
+            spent[label(self)] += time.perf_counter() - t
+            return out
+
+        cls.forward = forward
+
+    def linear(m) -> str:
+        return "LM head" if m.out_features > 100_000 else f"linear {m.out_features} x {m.in_features}"
+
+    wrap(AMXLinear, linear)
+    wrap(OneDNNLinear, linear)
+    wrap(CpuAttentionBackend, lambda m: "attention (KV write + kernel)")
+    return spent
 
 
 if __name__ == "__main__":
