@@ -38,12 +38,14 @@ def impl(request):
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     # fp32: reduction order only. bf16: the same roundings as torch, so most elements are
-    # bit-identical and the rest one ulp apart (2^-8 relative).
+    # bit-identical and the rest one ulp apart (2^-8 relative). The tanh-GELU's bit-identical
+    # share on random inputs sits only just above 0.95 (a clean `.ci/run` drew 0.948 and failed
+    # a 0.95 bar), so the bar is 0.9; a wrong rounding would drop far below it.
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=1e-2)
-        assert (out == ref).float().mean() > 0.95
+        assert (out == ref).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
