@@ -1,7 +1,7 @@
 """Where a CPU decode step goes: torch profiler over 5 engine steps at N concurrent requests.
 
     .venv/bin/python benchmarks/cpu_profile_step.py 1 [--quantization int8]
-    .venv/bin/python benchmarks/cpu_profile_step.py 16 [--by-kernel]
+    .venv/bin/python benchmarks/cpu_profile_step.py 16 [--by-kernel [--prefill]]
 
 Default model, bf16; prompts of 10..1,500 random tokens (seeded), decoding after their prefill.
 The torch profiler sees aten ops only, not our C++ extensions; --by-kernel instead times 20
@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("n", type=int)
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--by-kernel", action="store_true")
+    ap.add_argument("--prefill", action="store_true",
+                    help="with --by-kernel: split the prompt steps instead of decode steps")
     a = ap.parse_args()
     spent = _time_kernels() if a.by_kernel else None
     llm = LLM(dtype="bfloat16", max_num_seqs=a.n, max_model_len=4096, kv_cache_memory=512 * 2**20,
@@ -35,6 +37,8 @@ def main() -> None:
     for _ in range(a.n):
         eng.add_request([rng.randrange(10, 5000) for _ in range(rng.randint(10, 1500))],
                         SamplingParams(max_tokens=200, ignore_eos=True, temperature=0))
+    if spent is not None and a.prefill:
+        return _split_prefill(eng, spent)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
         eng.step()
     for _ in range(3):
@@ -58,6 +62,24 @@ def main() -> None:
         for _ in range(5):
             eng.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+
+
+def _split_prefill(eng, spent: dict[str, float]) -> None:
+    """Times every step until the last prompt is in, by kernel, and counts its tokens."""
+    import resource
+
+    tokens, t, r0 = 0, time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        before = sum(r.num_computed_tokens for r in eng.scheduler.requests.values())
+        eng.step()
+        tokens += sum(r.num_computed_tokens for r in eng.scheduler.requests.values()) - before
+    wall, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+    print(f"prompt steps: {tokens} tokens in {wall:.2f} s ({tokens / wall:.0f} tok/s); CPU user "
+          f"{r1.ru_utime - r0.ru_utime:.2f} s, system {r1.ru_stime - r0.ru_stime:.2f} s, "
+          f"{r1.ru_minflt - r0.ru_minflt} minor page faults")
+    for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:28s} {v:6.3f} s")
+    print(f"  {'everything else':28s} {wall - sum(spent.values()):6.3f} s")
 
 
 def _time_kernels() -> dict[str, float]:

@@ -15,8 +15,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF directory or .gguf file (default: the embedded Gemma 3 270M)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
-    p.add_argument("--attention-backend", default=None, help="cpu | torch | triton (default: triton on CUDA, cpu on CPU "
-                   "where its kernel builds, else torch)")
+    p.add_argument("--attention-backend", default=None, help="cpu | cpu-sdpa | torch | triton (default: triton on "
+                   "CUDA, cpu on CPU where its kernel builds, else torch; cpu-sdpa keeps prefill "
+                   "chunks on torch SDPA instead of the AMX prefill kernel)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

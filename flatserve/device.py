@@ -42,7 +42,7 @@ def default_backend(device: torch.device) -> str:
 
 
 # Attention backends tied to one device type ("torch" runs anywhere).
-_BACKEND_DEVICE = {"triton": "cuda", "cpu": "cpu"}
+_BACKEND_DEVICE = {"triton": "cuda", "cpu": "cpu", "cpu-sdpa": "cpu"}
 
 
 def check_backend(backend: str, device: torch.device) -> None:

@@ -30,6 +30,7 @@ class AttentionBackend(Protocol):
 _BACKENDS = {
     "torch": ("flatserve.attention.torch_backend", "TorchAttentionBackend"),
     "cpu": ("flatserve.attention.cpu_backend", "CpuAttentionBackend"),
+    "cpu-sdpa": ("flatserve.attention.cpu_backend", "CpuSdpaPrefillBackend"),
     "triton": ("flatserve.attention.triton_backend", "TritonAttentionBackend"),
 }
 

@@ -1,14 +1,16 @@
-"""CPU attention backend: decode rows through a C++ kernel that reads paged KV in place.
+"""CPU attention backend: C++ kernels that read paged KV in place.
 
 Every sequence with at most MAX_KERNEL_ROWS new tokens (decodes, draft-verify runs) goes to
 `csrc/paged_decode_cpu.cpp` in one call per layer, each row seeing the keys up to its own
-position; longer prefill chunks (compute-bound) keep the torch reference's per-sequence SDPA.
-The kernel is compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension,
-cached under ~/.cache/torch_extensions); where that fails, `available()` is False and the device
-module picks the torch backend instead.
+position. Longer prefill chunks (compute-bound) go to `csrc/paged_prefill_amx.cpp` in one call
+per layer on CPUs with AMX bf16 tiles (bf16 models), else to the torch reference's
+per-sequence SDPA. The kernels are compiled on first use with the machine's C++ compiler
+(torch.utils.cpp_extension, cached under ~/.cache/torch_extensions); where the decode kernel's
+build fails, `available()` is False and the device module picks the torch backend instead.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,13 +21,47 @@ from flatserve.attention.metadata import AttentionMetadata
 from flatserve.attention.torch_backend import attend_seqs, paged_attention_ref, write_kv
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_PREFILL_SRC = Path(__file__).parent / "csrc" / "paged_prefill_amx.cpp"
 LANES = 16  # the kernel's slice width (kLanes): head sizes must be multiples of it
 # The compiled module, built once per process (None, with the reason logged, if it fails).
 kernel = dev.CpuExtension("flatserve_paged_decode_cpu", str(_SRC), "attention uses the torch backend")
 
 
+# The AMX prefill kernel, built only on CPUs with AMX bf16 (elsewhere long chunks keep SDPA).
+prefill_kernel = dev.CpuExtension("flatserve_paged_prefill_amx", str(_PREFILL_SRC),
+                                  "prefill chunks use torch SDPA")
+
+
 def available() -> bool:
     return kernel() is not None
+
+
+def prefill_available() -> bool:
+    if not dev.cpu_has_amx_bf16():
+        return False
+    mod = prefill_kernel()
+    return mod is not None and mod.available()
+
+
+def prefill_fits(q: torch.Tensor, k_cache: torch.Tensor, p: LayerAttnParams,
+                 sinks: torch.Tensor | None) -> bool:
+    """The AMX prefill kernel's cases: bf16, heads of 32..256 in steps of 32, at most 32 query
+    heads per KV head, no softcap or sinks (those keep SDPA / the maths path)."""
+    d, g = q.shape[-1], q.shape[1] // k_cache.shape[2]
+    return (q.dtype == k_cache.dtype == torch.bfloat16 and d % 32 == 0 and d <= 256 and g <= 32
+            and p.softcap is None and sinks is None and prefill_available())
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  p: LayerAttnParams) -> torch.Tensor:
+    """q [R, Hq, D] bf16, sequence s's rows cu[s]..cu[s + 1] ending at position seq_lens[s] - 1,
+    each row causal over its sequence's paged keys (and inside the window) -> [R, Hq, D]."""
+    mod = prefill_kernel()
+    assert mod is not None, "CPU AMX prefill kernel not built"
+    return mod.paged_prefill(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
+                             seq_lens.contiguous(), cu_seqlens_q.contiguous(), p.scale,
+                             p.sliding_window or 0)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -45,41 +81,59 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 # Sequences with at most this many new rows (decodes, draft-verify runs of k + 1, short chunks)
-# go through the decode kernel; longer chunks keep the per-sequence SDPA. The kernel walks a
-# run's KV once for all its rows; its maths per row is a decode's (no matmul), so long chunks
-# are better served by SDPA, whose per-sequence host work dominated short verify runs
-# (benchmarks/offline_cpu.py, 16 requests with ngram speculation: 139.9 -> 193.7-239.1 tok/s).
+# go through the decode kernel; longer chunks go to the AMX prefill kernel where it runs, else
+# the per-sequence SDPA. The decode kernel walks a run's KV once for all its rows; its maths per
+# row is a decode's (no matmul), so long chunks are better served by tiles, and SDPA's
+# per-sequence host work dominated short verify runs (benchmarks/offline_cpu.py, 16 requests with
+# ngram speculation: 139.9 -> 193.7-239.1 tok/s).
 MAX_KERNEL_ROWS = 16
 
 
-def _split(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor, list[int]]:
-    """-> the kernel's share (q rows [R], block-table rows [S', max_blocks], seq_lens [S'],
-    cu_seqlens_q [S' + 1] over those rows) and the sequences left to SDPA; found on the step's
-    first layer and kept on its metadata for the others."""
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Some sequences' rows with their own metadata; `rows` None where they are the whole step."""
+    seqs: list[int]
+    rows: torch.Tensor | None  # [R] long, into the step's q
+    table: torch.Tensor  # [S', max_blocks] int32
+    lens: torch.Tensor  # [S'] int32
+    cu: torch.Tensor  # [S' + 1] int32, over the part's own rows
+
+
+def _part(meta: AttentionMetadata, seqs: list[int]) -> _Part:
+    cu = meta.cu_seqlens_q_host
+    if len(seqs) == meta.num_seqs:
+        return _Part(seqs, None, meta.block_table, meta.seq_lens, meta.cu_seqlens_q)
+    local = [0]
+    for s in seqs:
+        local.append(local[-1] + cu[s + 1] - cu[s])
+    idx = torch.tensor(seqs, dtype=torch.long)
+    return _Part(seqs, torch.tensor([t for s in seqs for t in range(cu[s], cu[s + 1])], dtype=torch.long),
+                 meta.block_table[idx].contiguous(), meta.seq_lens[idx].contiguous(),
+                 torch.tensor(local, dtype=torch.int32))
+
+
+def _split(meta: AttentionMetadata) -> tuple[_Part, _Part]:
+    """-> (sequences with at most MAX_KERNEL_ROWS new rows, the rest); found on the step's first
+    layer and kept on its metadata for the others."""
     got = meta.derived.get("cpu_split")
     if got is None:
         cu = meta.cu_seqlens_q_host
         short = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] <= MAX_KERNEL_ROWS]
-        rest = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] > MAX_KERNEL_ROWS]
-        rows = [t for s in short for t in range(cu[s], cu[s + 1])]
-        local = [0]
-        for s in short:
-            local.append(local[-1] + cu[s + 1] - cu[s])
-        idx = torch.tensor(short, dtype=torch.long)
-        got = meta.derived["cpu_split"] = (
-            torch.tensor(rows, dtype=torch.long), meta.block_table[idx].contiguous(),
-            meta.seq_lens[idx].contiguous(), torch.tensor(local, dtype=torch.int32), rest)
+        long = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] > MAX_KERNEL_ROWS]
+        got = meta.derived["cpu_split"] = (_part(meta, short), _part(meta, long))
     return got
 
 
 class CpuAttentionBackend:
+    """amx_prefill: long chunks on the AMX prefill kernel where it runs (the "cpu" backend);
+    False keeps them on SDPA (the "cpu-sdpa" backend, for A/Bs and CPUs where it misbehaves)."""
     name = "cpu"
+    amx_prefill = True
 
     def __init__(self) -> None:
         if kernel() is None:
-            raise ValueError(f"attention backend 'cpu' needs its C++ kernel, which did not build: "
-                             f"{kernel.error}")
+            raise ValueError(f"attention backend {self.name!r} needs its C++ kernel, which did not "
+                             f"build: {kernel.error}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -90,9 +144,22 @@ class CpuAttentionBackend:
         if meta.max_q_len <= MAX_KERNEL_ROWS:  # decodes and verify runs only: all to the kernel
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks,
                                 meta.cu_seqlens_q)
-        rows, table, lens, cu, rest = _split(meta)
+        short, long = _split(meta)
+        amx = self.amx_prefill and prefill_fits(q, k_cache, p, sinks)
+        if amx and not short.seqs:  # prefill chunks only: the step's own rows and metadata
+            return paged_prefill(q, k_cache, v_cache, long.table, long.lens, long.cu, p)
         out = torch.empty_like(q)
-        if len(rows):
-            out[rows] = paged_decode(q[rows], k_cache, v_cache, table, lens, p, sinks, cu)
-        attend_seqs(q, k_cache, v_cache, meta, p, sinks, out, rest)
+        if short.seqs:
+            out[short.rows] = paged_decode(q[short.rows], k_cache, v_cache, short.table, short.lens,
+                                           p, sinks, short.cu)
+        if amx:
+            out[long.rows] = paged_prefill(q[long.rows], k_cache, v_cache, long.table, long.lens,
+                                           long.cu, p)
+        else:
+            attend_seqs(q, k_cache, v_cache, meta, p, sinks, out, long.seqs)
         return out
+
+
+class CpuSdpaPrefillBackend(CpuAttentionBackend):
+    name = "cpu-sdpa"
+    amx_prefill = False

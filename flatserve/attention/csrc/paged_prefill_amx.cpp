@@ -1,0 +1,354 @@
+// Paged prefill attention on Intel AMX tiles: sequences with long runs of new rows (prefill
+// chunks), K/V read from the paged cache, bf16 only, causal with an optional sliding window.
+//
+// Why: the torch backend's per-sequence SDPA gathers each sequence's blocks into a new tensor,
+// builds a [rows, keys] mask for chunks that continue a context (so a windowed chunk computes
+// about twice the scores it keeps), and torch's CPU flash kernel runs at 57-540 GFLOP/s
+// depending on the length (Gemma 3's 4 x 256 heads: 482 causal tokens 8.3 ms, 512 2.4 ms).
+// At 16 concurrent requests that was ~40% of the benchmark's prompt steps.
+//
+// Two passes in one parallel region:
+// 1. Pack each (sequence, KV head)'s visible keys once: K as AMX B tiles of 16 keys x 32 head
+//    dims (pair-interleaved, VNNI) for S = Q K^T, V as B tiles of 32 keys x 16 head dims for
+//    O = P V. Padding keys past the end are zero and always masked.
+// 2. Work items of 32 query rows (tokens x the g query heads of one KV head, which share the
+//    keys) walk their visible key range in steps of up to 128 keys with an online softmax in
+//    fp32: S by 2 x 2 tiles, scale and mask per row (causal, window), P rounded to bf16 (as flash
+//    kernels do), O accumulated in fp32 tiles spilled per step (a 256-wide head is 16 tiles).
+// Key steps start at the first 32-key group a work item can see, so windowed rows skip the
+// keys behind their window instead of masking them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_math.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define FLATSERVE_AMX 1
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 32;    // query rows per work item: two 16-row A tiles
+constexpr int64_t kKeys = 128;   // keys per softmax step (S is 32 x 128 fp32 = 16 KB)
+constexpr int64_t kMaxHead = 256;  // O (32 x 256 fp32) and the Q block stay in L1/L2
+
+struct Run {  // one sequence's rows, with the key range its rows can see, packed from k_lo
+  int64_t row0, n, q_start, k_lo, packed, off;  // off: this run's first packed element
+};
+
+struct Geo {
+  int64_t hq, hkv, g, d, bs, max_blocks;
+  float scale;
+  int64_t window;  // <= 0: off; keys with pos > q_pos - window are visible
+};
+
+#ifdef FLATSERVE_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void load_tile_config() {  // every tile 16 rows x 64 bytes, as in ops/csrc/amx_gemm_cpu.cpp
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+// Cache row of key `pos` of a sequence (its block-table row `bt`), KV head h.
+inline const uint16_t* key_row(const uint16_t* cache, const int32_t* bt, int64_t pos, int64_t h,
+                               const Geo& g) {
+  const int64_t slot = static_cast<int64_t>(bt[pos / g.bs]) * g.bs + pos % g.bs;
+  return cache + (slot * g.hkv + h) * g.d;
+}
+
+// Pass 1, one 32-key group of one (run, KV head). K tile (group of 16 keys kg, dims step ks) at
+// kp + (kg * D/32 + ks) * 512: u32 word [r][n] = K[n][32 ks + 2r .. +1]. V tile (keys step kv,
+// dims tile dt) at vp + (kv * D/16 + dt) * 512: u32 word [r][n] = (V[2r][16 dt + n], V[2r + 1][..]).
+void pack_group(const uint16_t* kc, const uint16_t* vc, const int32_t* bt, int64_t L,
+                const Run& r, int64_t h, int64_t grp, uint16_t* kp, uint16_t* vp, const Geo& g) {
+  const int64_t KS = g.d / 32, DT = g.d / 16;
+  uint32_t* k32 = reinterpret_cast<uint32_t*>(kp);
+  for (int64_t i = 0; i < 32; ++i) {
+    const int64_t pos = r.k_lo + grp * 32 + i;
+    const int64_t kg = grp * 2 + i / 16, n = i % 16;
+    const uint16_t* kr = pos < L ? key_row(kc, bt, pos, h, g) : nullptr;
+    const uint16_t* vr = pos < L ? key_row(vc, bt, pos, h, g) : nullptr;
+    for (int64_t ks = 0; ks < KS; ++ks) {
+      uint32_t* t = k32 + (kg * KS + ks) * 256 + n;
+      for (int64_t w = 0; w < 16; ++w) {
+        uint32_t pair = 0;
+        if (kr) std::memcpy(&pair, kr + ks * 32 + 2 * w, 4);
+        t[w * 16] = pair;
+      }
+    }
+    uint16_t* v = vp + grp * DT * 512 + (i / 2) * 32 + (i % 2);
+    for (int64_t c = 0; c < g.d; ++c) v[(c / 16) * 512 + (c % 16) * 2] = vr ? vr[c] : 0;
+  }
+}
+
+struct Scratch {  // one thread's buffers for one work item
+  alignas(64) uint16_t q[kRows * kMaxHead];
+  alignas(64) float s[kRows * kKeys];
+  alignas(64) uint16_t p[kRows * kKeys];
+  alignas(64) float o[kRows * kMaxHead];
+  float m[kRows], l[kRows];
+};
+
+// S[32, bk] = Q[32, D] K^T over packed keys pj.. (pj a multiple of 32).
+void scores(Scratch& w, const uint16_t* kp, int64_t pj, int64_t bk, const Geo& g) {
+  const int64_t KS = g.d / 32;
+  for (int64_t nt = 0; nt < bk / 32; ++nt) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const uint16_t* b = kp + ((pj / 16 + 2 * nt) * KS) * 512;
+    for (int64_t ks = 0; ks < KS; ++ks) {
+      _tile_loadd(4, w.q + ks * 32, g.d * 2);
+      _tile_loadd(5, w.q + 16 * g.d + ks * 32, g.d * 2);
+      _tile_loadd(6, b + ks * 512, 64);
+      _tile_loadd(7, b + (KS + ks) * 512, 64);
+      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    float* s = w.s + nt * 32;
+    _tile_stored(0, s, bk * 4); _tile_stored(1, s + 16, bk * 4);
+    _tile_stored(2, s + 16 * bk, bk * 4); _tile_stored(3, s + 16 * bk + 16, bk * 4);
+  }
+}
+
+// exp of 16 lanes: exp_poly's polynomial (cpu_math.h) with AVX-512's scalef for the 2^i.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(2.1871262307292775e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2382415543543816e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.686186289582578e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5478912463380964e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40231096761393e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468377007519e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000006158204f));
+  return _mm512_scalef_ps(p, fi);
+}
+
+// Lanes c..c + 15 of a step that fall inside [a, b).
+inline __mmask16 lanes(int64_t c, int64_t a, int64_t b) {
+  const int64_t lo = std::clamp<int64_t>(a - c, 0, 16), hi = std::clamp<int64_t>(b - c, 0, 16);
+  return static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
+// Online softmax of row m's scores over keys [a, b) of the step (the rest masked): P row in
+// bf16, running max and sum updated, O row rescaled when the max moved. Written in intrinsics:
+// as plain loops GCC kept the max and the sum as serial scalar chains (no -ffast-math), ~4
+// cycles a score.
+void softmax_row(Scratch& w, int64_t m, int64_t a, int64_t b, int64_t bk, const Geo& g) {
+  float* s = w.s + m * bk;
+  uint16_t* p = w.p + m * bk;
+  if (a >= b) {
+    std::memset(p, 0, bk * 2);
+    return;
+  }
+  const __m512 scale = _mm512_set1_ps(g.scale);
+  __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t c = a / 16 * 16; c < b; c += 16)
+    vmx = _mm512_mask_max_ps(vmx, lanes(c, a, b), vmx, _mm512_mul_ps(_mm512_loadu_ps(s + c), scale));
+  const float m_new = std::max(w.m[m], _mm512_reduce_max_ps(vmx));
+  const __m512 shift = _mm512_set1_ps(m_new);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < bk; c += 16) {
+    const __mmask16 k = lanes(c, a, b);
+    __m512 e = _mm512_setzero_ps();
+    if (k) e = _mm512_maskz_mov_ps(k, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + c), scale, shift)));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  if (m_new != w.m[m]) {
+    const float alpha = w.m[m] == -std::numeric_limits<float>::infinity()
+                            ? 0.f : flatserve::exp_poly(w.m[m] - m_new);
+    const __m512 va = _mm512_set1_ps(alpha);
+    float* o = w.o + m * g.d;
+    for (int64_t c = 0; c < g.d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), va));
+    w.l[m] *= alpha;
+    w.m[m] = m_new;
+  }
+  w.l[m] += _mm512_reduce_add_ps(vsum);
+}
+
+// O[32, D] += P[32, bk] V over packed keys pj..; O spilled per 2 x 2 tile group.
+void accumulate(Scratch& w, const uint16_t* vp, int64_t pj, int64_t bk, const Geo& g) {
+  const int64_t DT = g.d / 16;
+  for (int64_t dp = 0; dp < g.d / 32; ++dp) {
+    float* o = w.o + dp * 32;
+    _tile_loadd(0, o, g.d * 4); _tile_loadd(1, o + 16, g.d * 4);
+    _tile_loadd(2, o + 16 * g.d, g.d * 4); _tile_loadd(3, o + 16 * g.d + 16, g.d * 4);
+    for (int64_t ks = 0; ks < bk / 32; ++ks) {
+      const uint16_t* b = vp + ((pj / 32 + ks) * DT + 2 * dp) * 512;
+      _tile_loadd(4, w.p + ks * 32, bk * 2);
+      _tile_loadd(5, w.p + 16 * bk + ks * 32, bk * 2);
+      _tile_loadd(6, b, 64);
+      _tile_loadd(7, b + 512, 64);
+      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, o, g.d * 4); _tile_stored(1, o + 16, g.d * 4);
+    _tile_stored(2, o + 16 * g.d, g.d * 4); _tile_stored(3, o + 16 * g.d + 16, g.d * 4);
+  }
+}
+
+// Pass 2, one work item: tokens t0..t1 of run r, KV head h; rows are (token, head in group).
+void attend_block(Scratch& w, const uint16_t* q, uint16_t* out, const uint16_t* kp,
+                  const uint16_t* vp, const Run& r, int64_t h, int64_t t0, int64_t t1, const Geo& g) {
+  const int64_t M = (t1 - t0) * g.g;
+  for (int64_t m = 0; m < kRows; ++m) {
+    uint16_t* dst = w.q + m * g.d;
+    if (m < M) std::memcpy(dst, q + ((r.row0 + t0 + m / g.g) * g.hq + h * g.g + m % g.g) * g.d, g.d * 2);
+    else std::memset(dst, 0, g.d * 2);
+    w.m[m] = -std::numeric_limits<float>::infinity();
+    w.l[m] = 0.f;
+  }
+  std::memset(w.o, 0, sizeof(float) * kRows * g.d);
+  const int64_t first = r.q_start + t0, last = r.q_start + t1 - 1;
+  const int64_t lo = g.window > 0 ? std::max(r.k_lo, first - g.window + 1) : r.k_lo;
+  for (int64_t pj = (lo - r.k_lo) / 32 * 32; pj < last + 1 - r.k_lo; pj += kKeys) {
+    const int64_t bk = std::min(kKeys, (last + 1 - r.k_lo - pj + 31) / 32 * 32);
+    scores(w, kp, pj, bk, g);
+    const int64_t base = r.k_lo + pj;  // position of the step's first key
+    for (int64_t m = 0; m < kRows; ++m) {
+      if (m >= M) { std::memset(w.p + m * bk, 0, bk * 2); continue; }
+      const int64_t pos = first + m / g.g;
+      const int64_t a = g.window > 0 ? std::max<int64_t>(0, pos - g.window + 1 - base) : 0;
+      softmax_row(w, m, a, std::min(bk, pos + 1 - base), bk, g);
+    }
+    accumulate(w, vp, pj, bk, g);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* dst = out + ((r.row0 + t0 + m / g.g) * g.hq + h * g.g + m % g.g) * g.d;
+    const float inv = 1.f / w.l[m];  // every row sees at least its own key
+    for (int64_t c = 0; c < g.d; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), reinterpret_cast<__m256i>(
+                              _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w.o + m * g.d + c),
+                                                               _mm512_set1_ps(inv)))));
+  }
+}
+
+struct Item { int64_t run, h, t0, t1, cost; };
+
+void run_all(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int32_t* table,
+             const int32_t* lens, const std::vector<Run>& runs, uint16_t* kp, uint16_t* vp,
+             uint16_t* out, const Geo& g) {
+  std::vector<int64_t> packs;  // (run, head, 32-key group) flattened
+  std::vector<Item> items;
+  const int64_t bq = kRows / g.g;  // tokens per work item
+  for (int64_t i = 0; i < static_cast<int64_t>(runs.size()); ++i) {
+    const Run& r = runs[i];
+    for (int64_t h = 0; h < g.hkv; ++h) {
+      for (int64_t grp = 0; grp < r.packed / 32; ++grp) packs.push_back((i * g.hkv + h) << 24 | grp);
+      for (int64_t t0 = 0; t0 < r.n; t0 += bq) {
+        const int64_t t1 = std::min(r.n, t0 + bq), last = r.q_start + t1;
+        const int64_t keys = g.window > 0 ? std::min(last, g.window + t1 - t0) : last;
+        items.push_back({i, h, t0, t1, keys});
+      }
+    }
+  }
+  // Most keys first, handed out one at a time: rows near a long context's end see many more
+  // keys than its first rows, and a static split left one core idle.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t np = static_cast<int64_t>(packs.size()), ni = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    load_tile_config();
+    std::vector<Scratch> scratch(1);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t i = 0; i < np; ++i) {
+      const int64_t rh = packs[i] >> 24, grp = packs[i] & ((1 << 24) - 1);
+      const int64_t s = rh / g.hkv, h = rh % g.hkv;  // runs are the call's sequences, in order
+      const Run& r = runs[s];
+      const int64_t off = r.off + h * r.packed * g.d;
+      pack_group(kc, vc, table + s * g.max_blocks, lens[s], r, h, grp, kp + off, vp + off, g);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ni; ++i) {
+      const Item& it = items[i];
+      const Run& r = runs[it.run];
+      const int64_t off = r.off + it.h * r.packed * g.d;
+      attend_block(scratch[0], q, out, kp + off, vp + off, r, it.h, it.t0, it.t1, g);
+    }
+    _tile_release();
+  }
+}
+#endif
+
+bool available() {
+#ifdef FLATSERVE_AMX
+  // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA), process-wide.
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// q [R, Hq, D] bf16; caches [num_blocks, block_size, Hkv, D] bf16; block_table [S, max_blocks],
+// seq_lens [S], cu_seqlens_q [S + 1] int32: sequence s's rows are q[cu[s]:cu[s + 1]], the last at
+// position seq_lens[s] - 1, each seeing the keys up to its own position (and inside the window).
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         const at::Tensor& cu_seqlens_q, double scale, int64_t window) {
+  TORCH_CHECK(available(), "paged_prefill: AMX bf16 tiles are not available in this process");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && q.scalar_type() == at::kBFloat16 &&
+              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "paged_prefill: contiguous bf16 q [R, Hq, D] and caches [N, bs, Hkv, D]");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              cu_seqlens_q.scalar_type() == at::kInt && block_table.is_contiguous() &&
+              seq_lens.is_contiguous() && cu_seqlens_q.is_contiguous(), "paged_prefill: int32 metadata");
+  const Geo g{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1),
+              block_table.size(1), static_cast<float>(scale), window};
+  TORCH_CHECK(g.hq % g.hkv == 0 && g.g <= kRows && k_cache.size(3) == g.d && g.d % 32 == 0 &&
+              g.d <= kMaxHead, "paged_prefill: head size a multiple of 32 up to 256, at most 32 query "
+              "heads per KV head");
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(block_table.size(0) == S && cu_seqlens_q.numel() == S + 1,
+              "paged_prefill: one block-table row and cu_seqlens_q entry per sequence");
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[S] == q.size(0), "paged_prefill: cu_seqlens_q must span q's rows");
+  std::vector<Run> runs;
+  int64_t total = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = cu[s + 1] - cu[s], L = lp[s];
+    TORCH_CHECK(n >= 1 && n <= L && (L + g.bs - 1) / g.bs <= g.max_blocks,
+                "paged_prefill: each sequence needs 1..seq_len rows and its blocks in the table");
+    const int64_t q_start = L - n;
+    const int64_t k_lo = window > 0 ? std::max<int64_t>(0, q_start - window + 1) : 0;
+    const int64_t packed = (L - k_lo + 31) / 32 * 32;
+    runs.push_back({cu[s], n, q_start, k_lo, packed, total});
+    total += g.hkv * packed * g.d;
+  }
+  at::Tensor out = at::empty_like(q);
+#ifdef FLATSERVE_AMX
+  at::Tensor kp = at::empty({total}, q.options()), vp = at::empty({total}, q.options());
+  auto u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  run_all(u16(q), u16(k_cache), u16(v_cache), block_table.data_ptr<int32_t>(), lp, runs, u16(kp),
+          u16(vp), u16(out), g);
+#endif
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("available", &available, "AMX bf16 compiled in and tile state granted to this process");
+  mod.def("paged_prefill", &paged_prefill, "paged prefill attention on AMX tiles, KV read in place");
+}
