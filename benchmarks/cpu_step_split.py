@@ -1,6 +1,7 @@
 """Where a CPU offline run's time goes: steps with prompt tokens vs decode-only steps.
 
     .venv/bin/python benchmarks/cpu_step_split.py [--requests 16] [--max-tokens 128]
+        [--cpu-gemm amx|onednn|torch] [--attention-backend cpu|cpu-sdpa|torch]
 
 The default model, the prompts of benchmarks/offline_cpu.py at that level, `LLM.generate` as the
 benchmark runs it; each engine step is timed (wall clock, host and CPU forward together).
@@ -22,8 +23,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--cpu-gemm", default="auto")
+    ap.add_argument("--attention-backend", default=None, help="cpu | cpu-sdpa | torch")
     a = ap.parse_args()
-    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, cpu_gemm=a.cpu_gemm)
+    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, cpu_gemm=a.cpu_gemm,
+              attention_backend=a.attention_backend)
     eng = llm.engine
     prompts = make_prompts(a.requests)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm

@@ -11,12 +11,14 @@ def test_auto_follows_the_backend() -> None:
     assert parse_fused_ops("auto", "torch") == frozenset()
     assert parse_fused_ops("none", "triton") == frozenset()
     assert parse_fused_ops("rope, act", "triton") == frozenset({"rope", "act"})
+    # Both C++ attention backends take the C++ fused ops (cpu-sdpa differs only in its prefill).
+    assert parse_fused_ops("auto", "cpu-sdpa") == parse_fused_ops("auto", "cpu")
 
 
 def test_bad_names_and_backends_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown fused op.*rmsnrom"):
         parse_fused_ops("rmsnrom", "triton")
-    with pytest.raises(ValueError, match="need the triton .CUDA. or cpu"):
+    with pytest.raises(ValueError, match="need the triton .CUDA. or a C.. .cpu, cpu-sdpa."):
         parse_fused_ops("act", "torch")
 
 

@@ -2,8 +2,8 @@
 
 Names: "rmsnorm" (RMSNorm with the residual add folded in), "rope" (per-head q/k RMSNorm +
 rotary, in place), "act" (SiLU / GELU-tanh and the gate*up product). They follow the attention
-backend: Triton kernels with "triton" (CUDA; `triton_ops`), C++ ones with "cpu" (`cpu_ops`,
-where they compile), none with "torch" (the reference path). "auto" = all three where there is
+backend: Triton kernels with "triton" (CUDA; `triton_ops`), C++ ones with "cpu" and "cpu-sdpa"
+(`cpu_ops`, where they compile), none with "torch" (the reference path). "auto" = all three where there is
 an implementation. Measured in docs/benchmarks/gpu.md and cpu.md.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 FUSED_OPS = ("rmsnorm", "rope", "act")
 
 
-IMPLEMENTED = ("triton", "cpu")  # backends with fused kernels beside them
+CPU_BACKENDS = ("cpu", "cpu-sdpa")  # the C++ attention backends, which the C++ fused ops follow
 
 
 def parse_fused_ops(spec: str, backend: str) -> frozenset[str]:
@@ -28,15 +28,15 @@ def parse_fused_ops(spec: str, backend: str) -> frozenset[str]:
         raise ValueError(f"unknown fused op(s) {', '.join(bad)}; choose from {', '.join(FUSED_OPS)}, "
                          f"auto or none")
     if not _available(backend):
-        raise ValueError(f"fused ops {', '.join(sorted(names))} need the triton (CUDA) or cpu "
-                         f"(C++) attention backend with its kernels built, not {backend!r}")
+        raise ValueError(f"fused ops {', '.join(sorted(names))} need the triton (CUDA) or a C++ "
+                         f"(cpu, cpu-sdpa) attention backend with its kernels built, not {backend!r}")
     return names
 
 
 def _available(backend: str) -> bool:
     if backend == "triton":
         return True
-    if backend == "cpu":
+    if backend in CPU_BACKENDS:
         from flatserve.ops import cpu_ops
 
         return cpu_ops.available()
