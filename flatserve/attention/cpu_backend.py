@@ -138,7 +138,7 @@ class CpuAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 p: LayerAttnParams, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta)
         if q.shape[-1] % LANES:  # the kernel works in 16-lane slices of the head
             return paged_attention_ref(q, k_cache, v_cache, meta, p, sinks)
         if meta.max_q_len <= MAX_KERNEL_ROWS:  # decodes and verify runs only: all to the kernel

@@ -15,12 +15,19 @@ from flatserve.attention.metadata import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping[T] (< 0 skipped)."""
+             slot_mapping: torch.Tensor, meta: AttentionMetadata | None = None) -> None:
+    """k, v [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping[T] (< 0 skipped).
+    With the step's metadata, whether any slot is skipped is found once per step, not per layer
+    (a compare, a reduction and a host sync: ~0.5 ms of an 18-layer CPU decode step)."""
     kf = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
     vf = v_cache.view(-1, *v_cache.shape[2:])
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    skips = None if meta is None else meta.derived.get("slot_skips")
+    if skips is None:
+        skips = not bool((slot_mapping >= 0).all())
+        if meta is not None:
+            meta.derived["slot_skips"] = skips
+    if skips:
+        keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
     vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
@@ -114,7 +121,7 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 p: LayerAttnParams, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta)
         return paged_attention_ref(q, k_cache, v_cache, meta, p, sinks)
 
 

@@ -72,3 +72,25 @@ def test_paged_ref_matches_dense_float64(window, softcap, use_sinks) -> None:
         # Every path computes in float64 for float64 inputs (SDPA, and the maths path's
         # promote_types), so the only differences are summation orders.
         torch.testing.assert_close(out[cu[i]:cu[i + 1]], ref, rtol=1e-9, atol=1e-9)
+
+
+def test_write_kv_skips_negative_slots_and_caches_the_check_per_step() -> None:
+    from flatserve.attention.torch_backend import write_kv
+    from tests.attention.cases import make_case
+
+    _, kc, vc, meta = make_case([5, 3], [9, 3], 4, 2, 16, 4, torch.float32, device="cpu")
+    k, v = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    for skip in ([], [1, 6]):
+        slots = meta.slot_mapping.clone()
+        slots[skip] = -1
+        meta.slot_mapping, meta.derived = slots, {}
+        kc2, vc2 = kc.clone(), vc.clone()
+        write_kv(k, v, kc2, vc2, slots, meta)
+        assert meta.derived["slot_skips"] == bool(skip)
+        want_k, want_v = kc.clone().view(-1, 2, 16), vc.clone().view(-1, 2, 16)
+        keep = slots >= 0
+        want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
+        assert torch.equal(kc2.view(-1, 2, 16), want_k) and torch.equal(vc2.view(-1, 2, 16), want_v)
+        kc3, vc3 = kc.clone(), vc.clone()
+        write_kv(k, v, kc3, vc3, slots)  # no metadata: checked on the spot, same result
+        assert torch.equal(kc3, kc2) and torch.equal(vc3, vc2)
