@@ -1,7 +1,7 @@
 """Where a CPU decode step goes: torch profiler over 5 engine steps at N concurrent requests.
 
     .venv/bin/python benchmarks/cpu_profile_step.py 1 [--quantization int8]
-    .venv/bin/python benchmarks/cpu_profile_step.py 16 [--by-kernel [--prefill]]
+    .venv/bin/python benchmarks/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--attention-backend B]
 
 Default model, bf16; prompts of 10..1,500 random tokens (seeded), decoding after their prefill.
 The torch profiler sees aten ops only, not our C++ extensions; --by-kernel instead times 20
@@ -28,10 +28,11 @@ def main() -> None:
     ap.add_argument("--by-kernel", action="store_true")
     ap.add_argument("--prefill", action="store_true",
                     help="with --by-kernel: split the prompt steps instead of decode steps")
+    ap.add_argument("--attention-backend", default=None, help="cpu | cpu-sdpa | torch")
     a = ap.parse_args()
     spent = _time_kernels() if a.by_kernel else None
     llm = LLM(dtype="bfloat16", max_num_seqs=a.n, max_model_len=4096, kv_cache_memory=512 * 2**20,
-              quantization=a.quantization)
+              quantization=a.quantization, attention_backend=a.attention_backend)
     eng = llm.engine
     rng = random.Random(0)
     for _ in range(a.n):
