@@ -54,6 +54,13 @@ def test_head_and_block_sizes(d: int, bs: int) -> None:
     check(q_lens, [n + random.randint(0, 400) for n in q_lens], 8, 2, d, None, bs)
 
 
+def test_long_contexts_in_batches() -> None:
+    """Chunks after 4,000-token contexts: 8 MB of packed K+V each, so the kernel packs and runs
+    the sequences in several batches (32 MB each) and must keep each one's rows and keys apart."""
+    check([17, 40, 17, 25, 17, 17, 30, 17], [4000 + random.randint(0, 90) for _ in range(8)],
+          4, 2, 256, random.choice([None, 700]))
+
+
 def test_refuses_what_it_cannot_run() -> None:
     q, kc, vc, meta = make_case([20], [20], 4, 1, 48, 16, torch.bfloat16, device="cpu")
     p = LayerAttnParams(0.1)

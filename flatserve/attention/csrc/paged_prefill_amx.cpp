@@ -44,8 +44,14 @@ constexpr int64_t kKeys = 128;   // keys per softmax step (S is 32 x 128 fp32 = 
 constexpr int64_t kMaxHead = 256;  // O (32 x 256 fp32) and the Q block stay in L1/L2
 
 struct Run {  // one sequence's rows, with the key range its rows can see, packed from k_lo
-  int64_t row0, n, q_start, k_lo, packed, off;  // off: this run's first packed element
+  int64_t seq, row0, n, q_start, k_lo, packed, off;  // off: first packed element in its batch
 };
+
+// Packed K+V bytes per batch of runs. Packing every sequence of a step at once would hold all
+// their contexts twice (K and V; e.g. 120 chunks of 17 rows after 4,096-token contexts: ~1 GB
+// for Gemma); batches keep it at this, or one sequence's context where that is larger, which is
+// what the SDPA path's per-sequence gather held.
+constexpr int64_t kPackBudget = int64_t{32} << 20;
 
 struct Geo {
   int64_t hq, hkv, g, d, bs, max_blocks;
@@ -272,10 +278,9 @@ void run_all(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const in
 #pragma omp for schedule(dynamic, 4)
     for (int64_t i = 0; i < np; ++i) {
       const int64_t rh = packs[i] >> 24, grp = packs[i] & ((1 << 24) - 1);
-      const int64_t s = rh / g.hkv, h = rh % g.hkv;  // runs are the call's sequences, in order
-      const Run& r = runs[s];
-      const int64_t off = r.off + h * r.packed * g.d;
-      pack_group(kc, vc, table + s * g.max_blocks, lens[s], r, h, grp, kp + off, vp + off, g);
+      const Run& r = runs[rh / g.hkv];
+      const int64_t h = rh % g.hkv, off = r.off + h * r.packed * g.d;
+      pack_group(kc, vc, table + r.seq * g.max_blocks, lens[r.seq], r, h, grp, kp + off, vp + off, g);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ni; ++i) {
@@ -324,8 +329,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* lp = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(cu[0] == 0 && cu[S] == q.size(0), "paged_prefill: cu_seqlens_q must span q's rows");
-  std::vector<Run> runs;
-  int64_t total = 0;
+  std::vector<std::vector<Run>> batches(1);
+  int64_t total = 0, most = 0;  // packed elements of the current batch, of the largest one
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = cu[s + 1] - cu[s], L = lp[s];
     TORCH_CHECK(n >= 1 && n <= L && (L + g.bs - 1) / g.bs <= g.max_blocks,
@@ -333,15 +338,22 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     const int64_t q_start = L - n;
     const int64_t k_lo = window > 0 ? std::max<int64_t>(0, q_start - window + 1) : 0;
     const int64_t packed = (L - k_lo + 31) / 32 * 32;
-    runs.push_back({cu[s], n, q_start, k_lo, packed, total});
-    total += g.hkv * packed * g.d;
+    const int64_t size = g.hkv * packed * g.d;
+    if (!batches.back().empty() && (total + size) * 4 > kPackBudget) {
+      batches.emplace_back();
+      total = 0;
+    }
+    batches.back().push_back({s, cu[s], n, q_start, k_lo, packed, total});
+    total += size;
+    most = std::max(most, total);
   }
   at::Tensor out = at::empty_like(q);
 #ifdef FLATSERVE_AMX
-  at::Tensor kp = at::empty({total}, q.options()), vp = at::empty({total}, q.options());
+  at::Tensor kp = at::empty({most}, q.options()), vp = at::empty({most}, q.options());
   auto u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-  run_all(u16(q), u16(k_cache), u16(v_cache), block_table.data_ptr<int32_t>(), lp, runs, u16(kp),
-          u16(vp), u16(out), g);
+  for (const std::vector<Run>& runs : batches)
+    run_all(u16(q), u16(k_cache), u16(v_cache), block_table.data_ptr<int32_t>(), lp, runs, u16(kp),
+            u16(vp), u16(out), g);
 #endif
   return out;
 }
