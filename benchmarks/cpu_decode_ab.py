@@ -27,16 +27,21 @@ from tests.attention.cases import make_case  # noqa: E402
 SRC = "flatserve/attention/csrc/paged_decode_cpu.cpp"
 
 
+def build_at_rev(src: str, rev: str, prefix: str) -> object:
+    """The C++ source `src` as it is at git revision `rev`, built under its own module name (the
+    shared headers come from the working tree)."""
+    old = subprocess.run(["git", "show", f"{rev}:{src}"], check=True, capture_output=True, text=True).stdout
+    tmp = Path(tempfile.mkdtemp()) / Path(src).name
+    tmp.write_text(old)
+    return dev.build_cpu_extension(f"{prefix}_{abs(hash(old)) % 10**8}", str(tmp))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", default="bb680e4")
     ap.add_argument("--rows", type=int, default=1)
     a = ap.parse_args()
-    old = subprocess.run(["git", "show", f"{a.rev}:{SRC}"], check=True, capture_output=True, text=True).stdout
-    tmp = Path(tempfile.mkdtemp()) / "paged_decode_old.cpp"
-    tmp.write_text(old)
-    tag = abs(hash(old)) % 10**8
-    mods = {a.rev: dev.build_cpu_extension(f"flatserve_decode_ab_{tag}", str(tmp)),
+    mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_decode_ab"),
             "working tree": dev.build_cpu_extension("flatserve_paged_decode_cpu", SRC)}
     random.seed(0)
     lens = [random.randint(10, 1500) + 64 for _ in range(16)]

@@ -9,15 +9,13 @@ Gemma 3 270M's shapes (bf16, the packed layout both kernels share), at decode, v
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, ".")
+from benchmarks.cpu_decode_ab import build_at_rev  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 from flatserve.model.amx import AMXLinear  # noqa: E402
 
@@ -32,11 +30,7 @@ def main() -> None:
     a = ap.parse_args()
     if not dev.cpu_has_amx_bf16():
         sys.exit("needs a CPU with AMX bf16")
-    old = subprocess.run(["git", "show", f"{a.rev}:{SRC}"], check=True, capture_output=True, text=True).stdout
-    tmp = Path(tempfile.mkdtemp()) / "amx_gemm_old.cpp"
-    tmp.write_text(old)
-    tag = abs(hash(old)) % 10**8
-    mods = {a.rev: dev.build_cpu_extension(f"flatserve_gemm_ab_{tag}", str(tmp)),
+    mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_gemm_ab"),
             "working tree": dev.build_cpu_extension("flatserve_amx_gemm", SRC)}
     for m in mods.values():
         assert m.available(), "AMX tile state not granted"

@@ -28,15 +28,8 @@
 #include <limits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cpu_math.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define FLATSERVE_AMX 1
-#include <immintrin.h>
-#include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -61,18 +54,6 @@ struct Geo {
 };
 
 #ifdef FLATSERVE_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void load_tile_config() {  // every tile 16 rows x 64 bytes, as in ops/csrc/amx_gemm_cpu.cpp
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
-}
-
 // Cache row of key `pos` of a sequence (its block-table row `bt`), KV head h.
 inline const uint16_t* key_row(const uint16_t* cache, const int32_t* bt, int64_t pos, int64_t h,
                                const Geo& g) {
@@ -274,7 +255,7 @@ void run_all(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const in
   const int64_t np = static_cast<int64_t>(packs.size()), ni = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    load_tile_config();
+    flatserve::load_tile_config();
     std::vector<Scratch> scratch(1);
 #pragma omp for schedule(dynamic, 4)
     for (int64_t i = 0; i < np; ++i) {
@@ -295,15 +276,7 @@ void run_all(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const in
 }
 #endif
 
-bool available() {
-#ifdef FLATSERVE_AMX
-  // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA), process-wide.
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-#else
-  return false;
-#endif
-}
+bool available() { return flatserve::amx_available(); }
 
 // q [R, Hq, D] bf16; caches [num_blocks, block_size, Hkv, D] bf16; block_table [S, max_blocks],
 // seq_lens [S], cu_seqlens_q [S + 1] int32: sequence s's rows are q[cu[s]:cu[s + 1]], the last at

@@ -13,31 +13,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define FLATSERVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
 #ifdef FLATSERVE_AMX
 constexpr int64_t kGroupBytes = 4 * 1024;  // one k step of a 64-column group: four B tiles
 constexpr int kPrefetch = 2 * kGroupBytes; // best of 0 / 4 / 8 KB on the LM head at 16 rows
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile used is 16 rows x 64 bytes: C tiles hold 16x16 fp32, A 16x32 bf16, B 16 k-pairs x 16.
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
-}
 
 // Rounds 16 fp32 rows of one C tile's spill buffer (+ its 16 bias values, or none) into y
 // (row stride N), rows < `rows` only: the bias joins before the one rounding, as in F.linear.
@@ -127,16 +109,7 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1) {
 }
 #endif
 
-bool available() {
-#ifdef FLATSERVE_AMX
-  // Linux hands out the 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA);
-  // the grant is process-wide, so one call covers torch's worker threads.
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-#else
-  return false;
-#endif
-}
+bool available() { return flatserve::amx_available(); }
 
 // x [M, K] bf16, w_packed [N/64, K/32, 4, 16, 16, 2] bf16, bias [N] bf16 or empty -> y [M, N].
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, const torch::Tensor& bias) {
@@ -164,7 +137,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
                   M, N, K};
   // Whole 64-column groups per thread: each thread streams one contiguous slice of the weight.
   at::parallel_for(0, N / 64, 1, [&](int64_t g0, int64_t g1) {
-    load_tile_config();
+    flatserve::load_tile_config();
     if (wide) gemm_2x2(p, g0, g1);
     else gemm_1x4(p, g0, g1);
     _tile_release();
