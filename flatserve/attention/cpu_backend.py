@@ -10,6 +10,7 @@ build fails, `available()` is False and the device module picks the torch backen
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,9 @@ def available() -> bool:
     return kernel() is not None
 
 
+@functools.cache
 def prefill_available() -> bool:
+    """AMX bf16 here, the kernel built, and tile state granted (asked once: every layer asks)."""
     if not dev.cpu_has_amx_bf16():
         return False
     mod = prefill_kernel()
@@ -107,8 +110,8 @@ def _part(meta: AttentionMetadata, seqs: list[int]) -> _Part:
     for s in seqs:
         local.append(local[-1] + cu[s + 1] - cu[s])
     idx = torch.tensor(seqs, dtype=torch.long)
-    return _Part(seqs, torch.tensor([t for s in seqs for t in range(cu[s], cu[s + 1])], dtype=torch.long),
-                 meta.block_table[idx].contiguous(), meta.seq_lens[idx].contiguous(),
+    rows = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs]) if seqs else idx  # [R] long
+    return _Part(seqs, rows, meta.block_table[idx].contiguous(), meta.seq_lens[idx].contiguous(),
                  torch.tensor(local, dtype=torch.int32))
 
 
