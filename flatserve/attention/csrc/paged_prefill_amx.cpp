@@ -3,10 +3,10 @@
 //
 // Why: the torch backend's per-sequence SDPA gathers each sequence's blocks into a new tensor,
 // builds a [rows, keys] mask for chunks that continue a context (so a windowed chunk computes
-// about twice the scores it keeps), and torch's CPU flash kernel's speed swings with the length
-// (Gemma 3's 4 x 256 heads, a scratch probe: 482 causal tokens 8.3 ms, 512 2.4 ms). At 16
-// concurrent requests that was ~40% of the prompt steps (benchmarks/cpu_profile_step.py
-// --prefill); this kernel against it per shape: benchmarks/cpu_prefill_attention.py.
+// about twice the scores it keeps), and torch's CPU flash kernel's speed is uneven across
+// lengths. At 16 concurrent requests that was ~40% of the prompt steps
+// (benchmarks/cpu_profile_step.py --prefill); this kernel against it per shape:
+// benchmarks/cpu_prefill_attention.py.
 //
 // Two passes in one parallel region:
 // 1. Pack each (sequence, KV head)'s visible keys once: K as AMX B tiles of 16 keys x 32 head
