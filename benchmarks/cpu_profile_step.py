@@ -2,10 +2,12 @@
 
     .venv/bin/python benchmarks/cpu_profile_step.py 1 [--quantization int8]
     .venv/bin/python benchmarks/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--attention-backend B]
+        [--ngram K] [--cpu-gemm amx|onednn|torch]
 
 Default model, bf16; prompts of 10..1,500 random tokens (seeded), decoding after their prefill.
 The torch profiler sees aten ops only, not our C++ extensions; --by-kernel instead times 20
 steps with wall clocks around the packed linears (LM head apart) and the attention backend.
+`--ngram K` speculates with K n-gram drafts, so the steps timed are verify steps.
 """
 from __future__ import annotations
 
@@ -29,10 +31,14 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true",
                     help="with --by-kernel: split the prompt steps instead of decode steps")
     ap.add_argument("--attention-backend", default=None, help="cpu | cpu-sdpa | torch")
+    ap.add_argument("--ngram", type=int, default=0, help="n-gram drafts per step (0: none)")
+    ap.add_argument("--cpu-gemm", default="auto", help="amx | onednn | torch")
     a = ap.parse_args()
     spent = _time_kernels() if a.by_kernel else None
+    spec = dict(speculative_method="ngram", num_speculative_tokens=a.ngram) if a.ngram else {}
     llm = LLM(dtype="bfloat16", max_num_seqs=a.n, max_model_len=4096, kv_cache_memory=512 * 2**20,
-              quantization=a.quantization, attention_backend=a.attention_backend)
+              quantization=a.quantization, attention_backend=a.attention_backend,
+              cpu_gemm=a.cpu_gemm, **spec)
     eng = llm.engine
     rng = random.Random(0)
     for _ in range(a.n):
@@ -49,12 +55,16 @@ def main() -> None:
         eng.step()
     print(f"{(time.perf_counter() - t) / 10 * 1e3:.1f} ms per decode step at {a.n} requests")
     if spent is not None:
+        import resource
+
         spent.clear()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t = time.perf_counter()
         for _ in range(20):
             eng.step()
         step = (time.perf_counter() - t) / 20 * 1e3
-        print(f"by kernel, 20 steps: {step:.1f} ms a step")
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        print(f"by kernel, 20 steps: {step:.1f} ms a step, {faults / 20:.0f} minor page faults a step")
         for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
             print(f"  {k:28s} {v / 20 * 1e3:6.2f} ms")
         print(f"  {'everything else':28s} {step - sum(spent.values()) / 20 * 1e3:6.2f} ms")

@@ -211,6 +211,35 @@ def release_freed_memory(device: torch.device) -> None:
         pass  # not glibc (macOS): nothing to trim
 
 
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEEP_HEAP_BYTES = 1 << 30
+
+
+def keep_freed_heap(device: torch.device) -> bool:
+    """CPU on glibc: keep freed memory for the next step's transients instead of handing it
+    back to the OS; -> whether the setting took. Call once the model and KV cache are placed.
+
+    Why: a step's large transients sit above glibc's mmap threshold (dynamic, 32 MB at most) or
+    at the top of the heap, so free() returns them and the next step faults every 4 KB page in
+    again. A verify step at 16 requests x 4 tokens has 55 x 262k bf16 logits (29 MB): ~7,000
+    faults a step, which took the LM head from 22 to 54 ms (`benchmarks/cpu_profile_step.py 16
+    --by-kernel --ngram 3`, docs/benchmarks/cpu.md, session 10). Peak RSS does not move: steps
+    reuse the same high-water mark, which the memory budget already counts as peak activations.
+    The effect is process-wide, like the thread count; vLLM's CPU guide gets it by preloading
+    tcmalloc."""
+    if device.type != "cpu":
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_HEAP_BYTES)
+                    and libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_HEAP_BYTES))
+    except (OSError, AttributeError):
+        return False  # not glibc (macOS): its allocator is left as it is
+
+
 def process_rss() -> int:
     import psutil
 

@@ -122,8 +122,13 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     ops.enable(model, fused, backend)
     if draft:
         ops.enable(draft[0], fused, backend)
+    dev.release_freed_memory(device)  # load-time temporaries go back to the OS first
+    # From here freed memory stays with the process, so the profile step below also leaves the
+    # heap at the size a full step's transients need, and later steps do not fault it in again.
+    kept = dev.keep_freed_heap(device)
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
-    dev.release_freed_memory(device)
+    if not kept:
+        dev.release_freed_memory(device)
     elt = torch.empty((), dtype=dtype).element_size()
     # One block id addresses a target block and (with a draft model) a draft block: budget both.
     per_token = mcfg.kv_bytes_per_token + (draft[1].kv_bytes_per_token if draft else 0)

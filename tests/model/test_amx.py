@@ -38,6 +38,21 @@ def test_amx_linear_matches_float64_reference(rows: int) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("rows,groups", [(40, 7), (150, 7), (24, 5)])
+def test_amx_linear_column_blocks_and_row_slabs(rows: int, groups: int) -> None:
+    """K = 2,048 puts 3 column groups in each ~768 KB weight block, so 7 groups split into
+    blocks with a remainder on each thread; 80 and 300 rows run in slabs of one row pair with
+    a partial last block, 48 rows in one slab of 4 blocks (2 x 2 path, kernel sees 2 x rows)."""
+    N, K = 64 * groups, 2048
+    w = torch.randn(N, K).bfloat16()
+    x = torch.randn(2, rows, K).bfloat16()
+    got = amx.AMXLinear(w, None)(x).double()
+    ref = x.double() @ w.double().t()
+    slack = (x.double().abs() @ w.double().abs().t()) * 1e-5
+    assert ((got - ref).abs() <= ref.abs() * 2.0 ** -8 + slack).all()
+
+
+@needs_amx
 def test_amx_pack_falls_back_to_onednn_and_counts_a_tied_head() -> None:
     class M(nn.Module):
         def __init__(self) -> None:

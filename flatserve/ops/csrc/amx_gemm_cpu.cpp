@@ -71,41 +71,43 @@ void gemm_1x4(const Problem& p, int64_t g0, int64_t g1) {
 }
 
 // More rows (verify steps, prefill chunks): 2 x 2 tiles, each loaded A and B tile used twice.
-// Rows go in chunks of 16 blocks (256 rows, <= 1 MB of x at K = 2048) so that x stays in L2
-// while the chunk sweeps this thread's columns. x is padded to an even number of row blocks.
+// The thread's columns go in blocks of about 768 KB of weight, which stay in L2 while slabs of
+// kSlab row blocks sweep them; within a slab each half-group (32 columns) meets all its row
+// pairs in turn, from L1. A verify step's rows (<= 64) are one slab of 4, so every weight byte
+// comes from memory once; longer runs go in slabs of one row pair. x is padded to an even
+// number of row blocks.
+template <int64_t kSlab>
 void gemm_2x2(const Problem& p, int64_t g0, int64_t g1) {
-  constexpr int64_t kChunk = 16;
   const int64_t M = p.M, N = p.N, K = p.K, KB = K / 32, RB = (M + 31) / 32 * 2;
+  const int64_t GB = std::max<int64_t>(1, (768 * 1024) / (KB * kGroupBytes));
   alignas(64) float c[2][2][16][16];
-  for (int64_t r0 = 0; r0 < RB; r0 += kChunk) {
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int jp = 0; jp < 4; jp += 2) {
-        const char* wj = p.w + g * KB * kGroupBytes + jp * 1024;
-        for (int64_t rb = r0; rb < std::min(RB, r0 + kChunk); rb += 2) {
-          const char* xa = p.x + rb * 16 * K * 2;
-          const char* xb = xa + 16 * K * 2;
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            const char* wk = wj + kb * kGroupBytes;
-            _tile_loadd(4, xa + kb * 64, K * 2);
-            _tile_loadd(6, wk, 64);        _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, wk + 1024, 64); _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, xb + kb * 64, K * 2);
-            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-          }
-          _tile_stored(0, c[0][0], 64); _tile_stored(1, c[0][1], 64);
-          _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
-          for (int h = 0; h < 2; ++h) {
-            const int64_t rows = std::min<int64_t>(16, M - (rb + h) * 16);
-            for (int j = 0; j < 2; ++j) {
-              const int64_t col = g * 64 + (jp + j) * 16;
-              store_rows(c[h][j], p.bias_at(col), p.y + (rb + h) * 16 * N + col, N, rows);
+  for (int64_t gb = g0; gb < g1; gb += GB)
+    for (int64_t r0 = 0; r0 < RB; r0 += kSlab)
+      for (int64_t g = gb; g < std::min(g1, gb + GB); ++g)
+        for (int jp = 0; jp < 4; jp += 2)
+          for (int64_t rb = r0; rb < std::min(RB, r0 + kSlab); rb += 2) {
+            const char* wj = p.w + g * KB * kGroupBytes + jp * 1024;
+            const char* xa = p.x + rb * 16 * K * 2;
+            const char* xb = xa + 16 * K * 2;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t kb = 0; kb < KB; ++kb) {
+              const char* wk = wj + kb * kGroupBytes;
+              _tile_loadd(4, xa + kb * 64, K * 2);
+              _tile_loadd(6, wk, 64);        _tile_dpbf16ps(0, 4, 6);
+              _tile_loadd(7, wk + 1024, 64); _tile_dpbf16ps(1, 4, 7);
+              _tile_loadd(5, xb + kb * 64, K * 2);
+              _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c[0][0], 64); _tile_stored(1, c[0][1], 64);
+            _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
+            for (int h = 0; h < 2; ++h) {
+              const int64_t rows = std::min<int64_t>(16, M - (rb + h) * 16);
+              for (int j = 0; j < 2; ++j) {
+                const int64_t col = g * 64 + (jp + j) * 16;
+                store_rows(c[h][j], p.bias_at(col), p.y + (rb + h) * 16 * N + col, N, rows);
+              }
             }
           }
-        }
-      }
-    }
-  }
 }
 #endif
 
@@ -138,7 +140,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
   // Whole 64-column groups per thread: each thread streams one contiguous slice of the weight.
   at::parallel_for(0, N / 64, 1, [&](int64_t g0, int64_t g1) {
     flatserve::load_tile_config();
-    if (wide) gemm_2x2(p, g0, g1);
+    if (wide && M > 64) gemm_2x2<2>(p, g0, g1);  // benchmarks/cpu_gemm_ab.py: slab 2 up to 1.2x
+    else if (wide) gemm_2x2<4>(p, g0, g1);       // on 2,048 rows, slab 4 for verify rows (0.85x with 2)
     else gemm_1x4(p, g0, g1);
     _tile_release();
   });
