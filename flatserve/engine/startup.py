@@ -70,20 +70,15 @@ def _eos_ids(mcfg: ModelConfig, tokenizer: Any, src: ModelSource) -> frozenset[i
     return frozenset(ids)
 
 
-def profile_peak(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
-                 dtype: torch.dtype, device: torch.device, backend: str) -> int:
-    """Peak activation memory of the largest step the scheduler may build, sampler included."""
+def _full_step(mcfg: ModelConfig, cfg: EngineConfig, seqs: int, k: int,
+               params: SamplingParams) -> tuple[SchedulerOutput, int]:
+    """A step of max_num_batched_tokens prompt tokens over `seqs` sequences, each verifying k
+    drafts; -> the step and the KV blocks it needs."""
     T = cfg.max_num_batched_tokens
-    S = min(cfg.max_num_seqs, T)
+    S = min(seqs, T)
     bs = cfg.block_size
     lens = [T // S + (1 if i < T % S else 0) for i in range(S)]
-    num_blocks = sum(-(-n // bs) for n in lens) + 1
-    runner = ModelRunner(model, mcfg, num_blocks, bs, dtype, device, backend)
-    params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)
     out, nxt = SchedulerOutput(), 1
-    # Speculation: each request verifies k drafts, so k + 1 sampled rows each (the sampler's
-    # [rows, vocab] temporaries grow with them).
-    k = cfg.num_speculative_tokens if cfg.speculative_method else 0
     for i, n in enumerate(lens):
         d = min(k, n - 1)
         toks = [(7 * j) % mcfg.vocab_size for j in range(n)]
@@ -91,11 +86,36 @@ def profile_peak(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
         nb = -(-n // bs)
         out.scheduled.append(ScheduledRequest(req, 0, n, list(range(nxt, nxt + nb)), toks[n - d:]))
         nxt += nb
+    return out, nxt
+
+
+def profile_peak(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
+                 dtype: torch.dtype, device: torch.device, backend: str) -> int:
+    """Peak activation memory of the largest step the scheduler may build, sampler included."""
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)
+    # Speculation: each request verifies k drafts, so k + 1 sampled rows each (the sampler's
+    # [rows, vocab] temporaries grow with them).
+    k = cfg.num_speculative_tokens if cfg.speculative_method else 0
+    out, blocks = _full_step(mcfg, cfg, cfg.max_num_seqs, k, params)
+    runner = ModelRunner(model, mcfg, blocks, cfg.block_size, dtype, device, backend)
     sampler = Sampler(mcfg.vocab_size, frozenset(), 0)
     with dev.PeakTracker(device) as tracker:
         runner.execute(out, sampler)
     del runner
     return max(tracker.peak, 0)
+
+
+def warm_heap(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
+              dtype: torch.dtype, device: torch.device, backend: str) -> None:
+    """CPU: once freed memory is kept (device.keep_freed_heap), one greedy prompt step of
+    max_num_batched_tokens tokens grows the heap to what prompt steps need, so the first real
+    ones do not fault it in page by page (30-50k faults, ~0.25 s of the CPU benchmark's prompt
+    steps at 16 requests: docs/benchmarks/cpu.md, session 10). One sequence, one sampled row:
+    the profile's worst-case sampler rows would hold far more than real steps use."""
+    out, blocks = _full_step(mcfg, cfg, 1, 0, SamplingParams(max_tokens=1, temperature=0))
+    runner = ModelRunner(model, mcfg, blocks, cfg.block_size, dtype, device, backend)
+    runner.execute(out, Sampler(mcfg.vocab_size, frozenset(), 0))
+    del runner
 
 
 def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRunner | None]:
@@ -122,13 +142,13 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     ops.enable(model, fused, backend)
     if draft:
         ops.enable(draft[0], fused, backend)
-    dev.release_freed_memory(device)  # load-time temporaries go back to the OS first
-    # From here freed memory stays with the process, so the profile step below also leaves the
-    # heap at the size a full step's transients need, and later steps do not fault it in again.
-    kept = dev.keep_freed_heap(device)
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
-    if not kept:
-        dev.release_freed_memory(device)
+    dev.release_freed_memory(device)
+    # From here freed memory stays with the process: the heap grows to what the workload's steps
+    # need and stays there. Not before the profile: its worst case (256 sequences x k + 1 rows
+    # of fp32 logits with speculation) held 0.6 GB more than the benchmark's steps ever use.
+    if dev.keep_freed_heap(device):
+        warm_heap(model, mcfg, cfg, dtype, device, backend)
     elt = torch.empty((), dtype=dtype).element_size()
     # One block id addresses a target block and (with a draft model) a draft block: budget both.
     per_token = mcfg.kv_bytes_per_token + (draft[1].kv_bytes_per_token if draft else 0)
