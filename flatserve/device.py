@@ -218,14 +218,17 @@ _KEEP_HEAP_BYTES = 1 << 30
 
 def keep_freed_heap(device: torch.device) -> bool:
     """CPU on glibc: keep freed memory for the next step's transients instead of handing it
-    back to the OS; -> whether the setting took. Call once the model and KV cache are placed.
+    back to the OS; -> whether the setting took. Call once start-up's own temporaries (weight
+    conversion, the peak profile) have been handed back.
 
     Why: a step's large transients sit above glibc's mmap threshold (dynamic, 32 MB at most) or
     at the top of the heap, so free() returns them and the next step faults every 4 KB page in
     again. A verify step at 16 requests x 4 tokens has 55 x 262k bf16 logits (29 MB): ~7,000
     faults a step, which took the LM head from 22 to 54 ms (`benchmarks/cpu_profile_step.py 16
-    --by-kernel --ngram 3`, docs/benchmarks/cpu.md, session 10). Peak RSS does not move: steps
-    reuse the same high-water mark, which the memory budget already counts as peak activations.
+    --by-kernel --ngram 3`, docs/benchmarks/cpu.md, session 10). The heap then holds about the
+    largest step's transients, which the memory budget counts as peak activations; small
+    allocations can split freed blocks, so it may settle somewhat above one step's worth. The
+    CPU benchmark's peak RSS stayed within its run-to-run spread (2.17-2.23 GiB).
     The effect is process-wide, like the thread count; vLLM's CPU guide gets it by preloading
     tcmalloc."""
     if device.type != "cpu":

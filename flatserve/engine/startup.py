@@ -110,9 +110,12 @@ def warm_heap(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
     """CPU: once freed memory is kept (device.keep_freed_heap), one greedy prompt step of
     max_num_batched_tokens tokens grows the heap to what prompt steps need, so the first real
     ones do not fault it in page by page (30-50k faults, ~0.25 s of the CPU benchmark's prompt
-    steps at 16 requests: docs/benchmarks/cpu.md, session 10). One sequence, one sampled row:
-    the profile's worst-case sampler rows would hold far more than real steps use."""
-    out, blocks = _full_step(mcfg, cfg, 1, 0, SamplingParams(max_tokens=1, temperature=0))
+    steps at 16 requests: docs/benchmarks/cpu.md, session 10). As few sequences as
+    max_model_len allows (one chunk of a long prompt, a step the scheduler builds), one sampled
+    row each: the profile's worst-case sampler rows would hold far more than real steps use."""
+    longest = cfg.max_model_len or mcfg.max_position_embeddings
+    seqs = -(-cfg.max_num_batched_tokens // longest)
+    out, blocks = _full_step(mcfg, cfg, seqs, 0, SamplingParams(max_tokens=1, temperature=0))
     runner = ModelRunner(model, mcfg, blocks, cfg.block_size, dtype, device, backend)
     runner.execute(out, Sampler(mcfg.vocab_size, frozenset(), 0))
     del runner
@@ -145,8 +148,9 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
     dev.release_freed_memory(device)
     # From here freed memory stays with the process: the heap grows to what the workload's steps
-    # need and stays there. Not before the profile: its worst case (256 sequences x k + 1 rows
-    # of fp32 logits with speculation) held 0.6 GB more than the benchmark's steps ever use.
+    # need and stays there. Not before the profile: its worst case (max_num_seqs = 64 sequences
+    # x k + 1 rows of fp32 logits and the sampler's copies, with speculation) held 0.6 GB more
+    # than the benchmark's steps ever use.
     if dev.keep_freed_heap(device):
         warm_heap(model, mcfg, cfg, dtype, device, backend)
     elt = torch.empty((), dtype=dtype).element_size()
