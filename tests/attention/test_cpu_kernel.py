@@ -88,6 +88,22 @@ def test_runs_of_rows(hq: int, hkv: int, d: int, dtype: torch.dtype, window: int
     assert out.dtype == dtype and err < tol, f"rel err {err:.2e} >= {tol}"
 
 
+@pytest.mark.parametrize("block_size,g", [(16, 4), (32, 4), (32, 8), (16, 2)])
+def test_verify_runs_bf16_amx_scores(block_size: int, g: int) -> None:
+    """bf16 verify runs of 2..16 / g rows, whose scores go through AMX tiles where the CPU has
+    them (n x g <= 16 query vectors, 16-key tiles of a block), against the float64 reference;
+    a whole-tile block and a two-tile block, 16 and 8 vectors."""
+    q_lens = [16 // g] * 5 + [2, 16 // g, 1]
+    seq_lens = [random.randint(n, 700) for n in q_lens]
+    q, kc, vc, meta = make_case(q_lens, seq_lens, g * 2, 2, 256, block_size, torch.bfloat16,
+                                device="cpu")
+    p = LayerAttnParams(256 ** -0.5, None, None)
+    out = cpu_backend.paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, p, None, meta.cu_seqlens_q)
+    ref = paged_attention_ref(q.double(), kc.double(), vc.double(), meta, p, None)
+    err = rel_err(out, ref)
+    assert err < 1e-2, f"rel err {err:.2e}"
+
+
 def test_runs_bad_metadata_is_a_clear_error() -> None:
     q, kc, vc, meta = make_case([3, 2], [10, 5], 4, 1, 64, 16, torch.float32, device="cpu")
     p = LayerAttnParams(0.125)

@@ -6,7 +6,10 @@
 // step (index + copy ops), ~25x the time of reading the same bytes once. Here each (sequence,
 // KV head) walks its block table and streams every K/V row from the cache exactly once, with an
 // online softmax in fp32 (the same maths as the torch reference: fp32 scores, scale, optional
-// softcap, sliding window, sinks; output rounded to the cache dtype once).
+// softcap, sliding window, sinks; output rounded to the cache dtype once). Verify runs of bf16
+// whose rows x query heads fit one AMX tile (<= 16 vectors) take their scores on tiles
+// (amx_scores): at 4 rows x 4 heads the vector FMAs, not the bytes, had set the pace
+// (benchmarks/cpu_decode_ab.py --rows 4: 1.55 -> 1.26 ms a full layer, 0.95 -> 0.77 windowed).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cpu_math.h"
 
 #if defined(__AVX512BF16__)
@@ -106,12 +110,15 @@ inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t rs
 // One block's rows t0..t1 for G query heads (starting at head j0 of the group): scores, online
 // softmax update of (mx, den), then acc = acc * corr + weights . V, one 16-lane slice of the G
 // accumulators held across the block's rows, each V slice loaded and converted once.
+// With `scored`, sc already holds the raw scores (the AMX path below) and only the softmax and
+// P V run.
 template <typename T, int G>
 void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t rs, int64_t t0,
-                int64_t t1, const Dims& m, float* mx, float* den, float* acc, float* sc) {
+                int64_t t1, const Dims& m, float* mx, float* den, float* acc, float* sc,
+                bool scored = false) {
   const int64_t d = m.d, bs = m.bs;
   constexpr int NK = G > 4 ? 2 : 4;  // NK x G score accumulators stay within the 32 registers
-  int64_t t = t0;
+  int64_t t = scored ? t1 : t0;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (d % 32 == 0) {
@@ -176,6 +183,56 @@ inline void prefetch_block(const T* k, const T* v, int64_t rs, int64_t rows, int
     }
 }
 
+#ifdef FLATSERVE_AMX
+// A verify run's n x g query vectors (<= 16) as AMX B tiles of Q^T: for each 32-dim slice c,
+// tile row p holds, for every vector v, its dims (32c + 2p, 32c + 2p + 1) as one 32-bit pair
+// (VNNI); vectors past n x g are zero. qc is [n x g, d] bf16.
+inline void pack_qt(const at::BFloat16* qc, int64_t nv, int64_t d, uint32_t* qt) {
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qc);
+  for (int64_t c = 0; c < d / 32; ++c)
+    for (int64_t p = 0; p < 16; ++p)
+      for (int64_t v = 0; v < 16; ++v)
+        qt[(c * 16 + p) * 16 + v] = v < nv ? q32[v * (d / 2) + c * 16 + p] : 0u;
+}
+
+// Raw scores of a block's bs keys (bs % 16 == 0) for all 16 packed vectors: S^T = K Q^T on
+// tiles, K rows read from the cache as A tiles (16 keys x 32 dims, row stride rs), one C tile
+// per 16 keys; -> sc[v * bs + key]. With 4 rows x 4 heads this replaces 16 x 16 x d / 32
+// vdpbf16ps per 16 keys with d / 32 tile multiplies.
+inline void amx_scores(const at::BFloat16* kb, int64_t rs, int64_t d, int64_t bs, const uint32_t* qt,
+                       float* sc) {
+  alignas(64) float ct[16][16];
+  for (int64_t k0 = 0; k0 < bs; k0 += 16) {
+    _tile_zero(0);
+    for (int64_t c = 0; c < d / 32; ++c) {
+      _tile_loadd(1, kb + k0 * rs + c * 32, rs * 2);
+      _tile_loadd(2, qt + c * 256, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, ct, 64);
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t v = 0; v < 16; ++v) sc[v * bs + k0 + i] = ct[i][v];
+  }
+}
+#endif
+
+// Whether a run takes the AMX scores: bf16, more than one row (a decode's 4 vectors would
+// fill a quarter of the tile: session 8 measured that slower), at most 16 vectors, whole
+// 16-key tiles and 32-dim slices.
+template <typename T>
+inline bool amx_scores_fit(const Dims& m) {
+#ifdef FLATSERVE_AMX
+  return std::is_same_v<T, at::BFloat16> && m.g <= 8 && m.bs % 16 == 0 && m.d % 32 == 0 &&
+         m.d <= 256 && flatserve::amx_available();
+#else
+  return false;
+#endif
+}
+template <typename T>
+inline bool use_amx_scores(int64_t n, const Dims& m) {
+  return n > 1 && n * m.g <= 16 && amx_scores_fit<T>(m);
+}
+
 // One (sequence, KV head) with its run of n query rows (n = 1 for a decode; k + 1 for a
 // draft-verify run): row r sits at position len - n + r and sees keys up to it (and at most the
 // window). The g query heads of each row that share the KV head read each K/V row once, in
@@ -197,6 +254,11 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
   // slice is then loaded and converted once for 8 query vectors instead of g.
   const int64_t pack = (g < 8 && 8 % g == 0) ? 8 / g : 1;
   std::fill(acc, acc + n * g * d, 0.f);
+  const bool amx = use_amx_scores<T>(n, m);
+#ifdef FLATSERVE_AMX
+  alignas(64) uint32_t qt[256 / 32 * 256];  // d <= 256 here: d / 32 tiles of 16 x 16 pairs
+  if (amx) pack_qt(reinterpret_cast<const at::BFloat16*>(qc), n * g, d, qt);
+#endif
   auto lo = [&](int64_t lr) { return m.window > 0 ? std::max<int64_t>(0, lr - m.window) : 0; };
   const int64_t b_end = (len + bs - 1) / bs;
   for (int64_t b = lo(len - n + 1) / bs; b < b_end; ++b) {
@@ -206,6 +268,9 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
       const int64_t nb = static_cast<int64_t>(table[b + 1]) * bs * m.hkv + h;
       prefetch_block(kc + nb * d, vc + nb * d, rs, std::min(bs, len - (b + 1) * bs), d);
     }
+#ifdef FLATSERVE_AMX
+    if (amx) amx_scores(reinterpret_cast<const at::BFloat16*>(kb), rs, d, bs, qt, sc);
+#endif
     auto span = [&](int64_t r) {  // this block's keys that row r sees, as [t0, t1) in the block
       const int64_t lr = len - n + r + 1;  // keys the row sees: [lo(lr), lr)
       return std::pair<int64_t, int64_t>(std::max(lo(lr), b * bs) - b * bs,
@@ -216,7 +281,8 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
       if (t1 <= t0) continue;
       if (pack > 1 && r + pack <= n && span(r + pack - 1) == span(r)) {  // rows r..r+pack-1 alike
         const int64_t i = r * g;
-        block_step<T, 8>(qc + i * d, qf + i * d, kb, vb, rs, t0, t1, m, &mx[i], &den[i], acc + i * d, sc);
+        block_step<T, 8>(qc + i * d, qf + i * d, kb, vb, rs, t0, t1, m, &mx[i], &den[i], acc + i * d,
+                         sc + (amx ? i * bs : 0), amx);
         r += pack - 1;
         continue;
       }
@@ -225,10 +291,11 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
         float* a = acc + i * d;
         const float* qj = qf + i * d;
         const T* qr = qc + i * d;
-        if (c == 4) block_step<T, 4>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
-        else if (c == 3) block_step<T, 3>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
-        else if (c == 2) block_step<T, 2>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
-        else block_step<T, 1>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, sc);
+        float* si = sc + (amx ? i * bs : 0);
+        if (c == 4) block_step<T, 4>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, amx);
+        else if (c == 3) block_step<T, 3>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, amx);
+        else if (c == 2) block_step<T, 2>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, amx);
+        else block_step<T, 1>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, amx);
         j += c;
       }
     }
@@ -276,14 +343,21 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   const int64_t n = static_cast<int64_t>(order.size());
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), n)))
   {
-    std::vector<float> qf(max_rows * m.g * m.d), acc(max_rows * m.g * m.d), sc(8 * m.bs);
+    std::vector<float> qf(max_rows * m.g * m.d), acc(max_rows * m.g * m.d), sc(16 * m.bs);
     std::vector<T> qc(max_rows * m.g * m.d);
+#ifdef FLATSERVE_AMX
+    const bool tiles = max_rows > 1 && amx_scores_fit<T>(m);  // some run may take them
+    if (tiles) flatserve::load_tile_config();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t s = order[i] / m.hkv, h = order[i] % m.hkv, f = first(s);
       attend<T>(qp + f * m.hq * m.d, kp, vp, tp + s * m.max_blocks, lp[s], rows(s), sinks,
                 op + f * m.hq * m.d, h, m, qf.data(), qc.data(), acc.data(), sc.data());
     }
+#ifdef FLATSERVE_AMX
+    if (tiles) _tile_release();
+#endif
   }
 }
 
