@@ -72,20 +72,19 @@ void gemm_1x4(const Problem& p, int64_t g0, int64_t g1) {
 
 // More rows (verify steps, prefill chunks): 2 x 2 tiles, each loaded A and B tile used twice.
 // The thread's columns go in blocks of about 768 KB of weight, which stay in L2 while slabs of
-// kSlab row blocks sweep them; within a slab each half-group (32 columns) meets all its row
+// `slab` row blocks sweep them; within a slab each half-group (32 columns) meets all its row
 // pairs in turn, from L1. A verify step's rows (<= 64) are one slab of 4, so every weight byte
 // comes from memory once; longer runs go in slabs of one row pair. x is padded to an even
 // number of row blocks.
-template <int64_t kSlab>
-void gemm_2x2(const Problem& p, int64_t g0, int64_t g1) {
+void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
   const int64_t M = p.M, N = p.N, K = p.K, KB = K / 32, RB = (M + 31) / 32 * 2;
   const int64_t GB = std::max<int64_t>(1, (768 * 1024) / (KB * kGroupBytes));
   alignas(64) float c[2][2][16][16];
   for (int64_t gb = g0; gb < g1; gb += GB)
-    for (int64_t r0 = 0; r0 < RB; r0 += kSlab)
+    for (int64_t r0 = 0; r0 < RB; r0 += slab)
       for (int64_t g = gb; g < std::min(g1, gb + GB); ++g)
         for (int jp = 0; jp < 4; jp += 2)
-          for (int64_t rb = r0; rb < std::min(RB, r0 + kSlab); rb += 2) {
+          for (int64_t rb = r0; rb < std::min(RB, r0 + slab); rb += 2) {
             const char* wj = p.w + g * KB * kGroupBytes + jp * 1024;
             const char* xa = p.x + rb * 16 * K * 2;
             const char* xb = xa + 16 * K * 2;
@@ -140,8 +139,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
   // Whole 64-column groups per thread: each thread streams one contiguous slice of the weight.
   at::parallel_for(0, N / 64, 1, [&](int64_t g0, int64_t g1) {
     flatserve::load_tile_config();
-    if (wide && M > 64) gemm_2x2<2>(p, g0, g1);  // benchmarks/cpu_gemm_ab.py: slab 2 up to 1.2x
-    else if (wide) gemm_2x2<4>(p, g0, g1);       // on 2,048 rows, slab 4 for verify rows (0.85x with 2)
+    // benchmarks/cpu_gemm_ab.py: slabs of 2 blocks up to 1.2x on 2,048 rows; verify rows (<= 64)
+    // keep one slab (0.85x with 2).
+    if (wide) gemm_2x2(p, g0, g1, M > 64 ? 2 : 4);
     else gemm_1x4(p, g0, g1);
     _tile_release();
   });
