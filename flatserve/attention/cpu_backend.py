@@ -11,7 +11,6 @@ build fails, `available()` is False and the device module picks the torch backen
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,30 +56,34 @@ def prefill_fits(q: torch.Tensor, k_cache: torch.Tensor, p: LayerAttnParams,
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                  p: LayerAttnParams) -> torch.Tensor:
+                  p: LayerAttnParams, seqs: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """q [R, Hq, D] bf16, sequence s's rows cu[s]..cu[s + 1] ending at position seq_lens[s] - 1,
-    each row causal over its sequence's paged keys (and inside the window) -> [R, Hq, D]."""
+    each row causal over its sequence's paged keys (and inside the window) -> [R, Hq, D].
+    With `seqs` ([S'] int32): only those sequences' rows, written into `out` (q's shape)."""
     mod = prefill_kernel()
     assert mod is not None, "CPU AMX prefill kernel not built"
     return mod.paged_prefill(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
                              seq_lens.contiguous(), cu_seqlens_q.contiguous(), p.scale,
-                             p.sliding_window or 0)
+                             p.sliding_window or 0, seqs, out)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, p: LayerAttnParams,
-                 sinks: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None
+                 sinks: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                 seqs: torch.Tensor | None = None, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """q [R, Hq, D] -> [R, Hq, D]. Without cu_seqlens_q: one token per sequence (R == S) at
     position seq_lens - 1. With it ([S + 1] int32): sequence s's rows cu[s]..cu[s + 1] end at
-    position seq_lens[s] - 1, each row seeing the keys up to its own position."""
+    position seq_lens[s] - 1, each row seeing the keys up to its own position. With `seqs`
+    ([S'] int32): only those sequences' rows, written into `out` (q's shape)."""
     mod = kernel()
     assert mod is not None, "CPU paged-decode kernel not built"
     empty = torch.empty(0, dtype=torch.float32)
     cu = torch.empty(0, dtype=torch.int32) if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     return mod.paged_decode(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
                             seq_lens.contiguous(), cu, p.scale, p.sliding_window or 0,
-                            p.softcap or 0.0, empty if sinks is None else sinks)
+                            p.softcap or 0.0, empty if sinks is None else sinks, seqs, out)
 
 
 # Sequences with at most this many new rows (decodes, draft-verify runs of k + 1, short chunks)
@@ -92,38 +95,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 MAX_KERNEL_ROWS = 16
 
 
-@dataclass(frozen=True, slots=True)
-class _Part:
-    """Some sequences' rows with their own metadata; `rows` None where they are the whole step."""
-    seqs: list[int]
-    rows: torch.Tensor | None  # [R] long, into the step's q
-    table: torch.Tensor  # [S', max_blocks] int32
-    lens: torch.Tensor  # [S'] int32
-    cu: torch.Tensor  # [S' + 1] int32, over the part's own rows
-
-
-def _part(meta: AttentionMetadata, seqs: list[int]) -> _Part:
-    cu = meta.cu_seqlens_q_host
-    if len(seqs) == meta.num_seqs:
-        return _Part(seqs, None, meta.block_table, meta.seq_lens, meta.cu_seqlens_q)
-    local = [0]
-    for s in seqs:
-        local.append(local[-1] + cu[s + 1] - cu[s])
-    idx = torch.tensor(seqs, dtype=torch.long)
-    rows = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs]) if seqs else idx  # [R] long
-    return _Part(seqs, rows, meta.block_table[idx].contiguous(), meta.seq_lens[idx].contiguous(),
-                 torch.tensor(local, dtype=torch.int32))
-
-
-def _split(meta: AttentionMetadata) -> tuple[_Part, _Part]:
-    """-> (sequences with at most MAX_KERNEL_ROWS new rows, the rest); found on the step's first
-    layer and kept on its metadata for the others."""
+def _split(meta: AttentionMetadata) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """-> (sequences with at most MAX_KERNEL_ROWS new rows, the rest, each as int32 indices);
+    found on the step's first layer and kept on its metadata for the others."""
     got = meta.derived.get("cpu_split")
     if got is None:
         cu = meta.cu_seqlens_q_host
         short = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] <= MAX_KERNEL_ROWS]
         long = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] > MAX_KERNEL_ROWS]
-        got = meta.derived["cpu_split"] = (_part(meta, short), _part(meta, long))
+        got = meta.derived["cpu_split"] = (short, long, torch.tensor(short, dtype=torch.int32),
+                                           torch.tensor(long, dtype=torch.int32))
     return got
 
 
@@ -147,19 +128,22 @@ class CpuAttentionBackend:
         if meta.max_q_len <= MAX_KERNEL_ROWS:  # decodes and verify runs only: all to the kernel
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks,
                                 meta.cu_seqlens_q)
-        short, long = _split(meta)
+        short, long, short_idx, long_idx = _split(meta)
         amx = self.amx_prefill and prefill_fits(q, k_cache, p, sinks)
-        if amx and not short.seqs:  # prefill chunks only: the step's own rows and metadata
-            return paged_prefill(q, k_cache, v_cache, long.table, long.lens, long.cu, p)
+        if amx and not short:  # prefill chunks only
+            return paged_prefill(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
+                                 meta.cu_seqlens_q, p)
+        # Each kernel writes its own sequences' rows of one output, reading q in place.
         out = torch.empty_like(q)
-        if short.seqs:
-            out[short.rows] = paged_decode(q[short.rows], k_cache, v_cache, short.table, short.lens,
-                                           p, sinks, short.cu)
+        q = q.contiguous()
+        if short:
+            paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks,
+                         meta.cu_seqlens_q, short_idx, out)
         if amx:
-            out[long.rows] = paged_prefill(q[long.rows], k_cache, v_cache, long.table, long.lens,
-                                           long.cu, p)
+            paged_prefill(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+                          p, long_idx, out)
         else:
-            attend_seqs(q, k_cache, v_cache, meta, p, sinks, out, long.seqs)
+            attend_seqs(q, k_cache, v_cache, meta, p, sinks, out, long)
         return out
 
 

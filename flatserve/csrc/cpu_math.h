@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace flatserve {
 
 // exp(x) in a form the compiler vectorises (libm's expf is a scalar call; with
@@ -44,5 +48,24 @@ inline f32x16 bf16x16_to_f32(const uint16_t* p) {
   std::memcpy(&f, &w, sizeof(f));
   return f;
 }
+
+#if defined(__AVX512F__)
+// exp of 16 lanes: exp_poly's polynomial with AVX-512's scalef for the 2^i (x clamped below
+// at -87 as there; above, scalef saturates to inf instead of wrapping).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(2.1871262307292775e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2382415543543816e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.686186289582578e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5478912463380964e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40231096761393e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468377007519e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000006158204f));
+  return _mm512_scalef_ps(p, fi);
+}
+#endif
 
 }  // namespace flatserve

@@ -117,7 +117,8 @@ def test_whole_model_as_close_to_fp32_as_sdpa(tmp_path, monkeypatch) -> None:
     sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5, ignore_eos=True)
     calls = []
     inner = cpu_backend.paged_prefill
-    monkeypatch.setattr(cpu_backend, "paged_prefill", lambda *a: calls.append(1) or inner(*a))
+    monkeypatch.setattr(cpu_backend, "paged_prefill",
+                        lambda *a, **kw: calls.append(1) or inner(*a, **kw))
     runs = {}
     for name, kw in (("fp32", dict(dtype="float32", attention_backend="torch")),
                      ("sdpa", dict(dtype="bfloat16", attention_backend="cpu-sdpa")),
@@ -132,3 +133,34 @@ def test_whole_model_as_close_to_fp32_as_sdpa(tmp_path, monkeypatch) -> None:
                    for a, b in zip(runs[name], runs["fp32"]) for t in set(a) & set(b))
 
     assert worst("amx") <= max(2 * worst("sdpa"), 2e-2)
+
+
+@pytest.mark.parametrize("which", ["decode", "prefill"])
+def test_kernels_write_only_their_sequences(which: str) -> None:
+    """With `seqs`, a kernel reads its sequences' rows of the whole step's q and writes exactly
+    those rows of `out`: each equals the kernel run on that sequence alone, the other rows keep
+    what was there (how a mixed step sends decodes and chunks to their kernels without copies)."""
+    q_lens = [1, 40, 3, 1, 70, 2] if which == "decode" else [1, 40, 3, 1, 70, 2, 33]
+    seq_lens = [n + random.randint(0, 300) for n in q_lens]
+    q, kc, vc, meta = make_case(q_lens, seq_lens, 8, 2, 64, 16, torch.bfloat16, device="cpu")
+    p = LayerAttnParams(64 ** -0.5, random.choice([None, 48]))
+    cu = meta.cu_seqlens_q_host
+    mine = [s for s in range(len(q_lens)) if (q_lens[s] <= 16) == (which == "decode")]
+    seqs = torch.tensor(mine, dtype=torch.int32)
+    out = torch.full_like(q, 7.0)
+    if which == "decode":
+        cpu_backend.paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, p, None,
+                                 meta.cu_seqlens_q, seqs, out)
+    else:
+        cpu_backend.paged_prefill(q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+                                  p, seqs, out)
+    for s in range(len(q_lens)):
+        rows = slice(cu[s], cu[s + 1])
+        if s not in mine:
+            assert bool((out[rows] == 7.0).all()), f"sequence {s}'s rows were written"
+            continue
+        one = torch.tensor([0, q_lens[s]], dtype=torch.int32)
+        args = (q[rows], kc, vc, meta.block_table[s:s + 1], meta.seq_lens[s:s + 1])
+        alone = (cpu_backend.paged_decode(*args, p, None, one) if which == "decode"
+                 else cpu_backend.paged_prefill(*args, one, p))
+        assert torch.equal(out[rows], alone), f"sequence {s} differs from its run alone"

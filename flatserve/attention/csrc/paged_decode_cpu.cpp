@@ -315,12 +315,14 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
     }
 }
 
-// Runs: sequence s owns q rows cu[s]..cu[s + 1] (cu == nullptr: row s alone).
+// Runs: sequence s owns q rows cu[s]..cu[s + 1] (cu == nullptr: row s alone); `which` lists
+// the sequences to run.
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
          const at::Tensor& lens, const int32_t* cu, const float* sinks, at::Tensor& out,
-         const Dims& m) {
-  const int64_t S = lens.size(0);
+         const Dims& m, const std::vector<int64_t>& which) {
+  const int64_t S = static_cast<int64_t>(which.size());
+  if (S == 0) return;
   const T* qp = q.data_ptr<T>();
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
@@ -330,13 +332,13 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   auto first = [&](int64_t s) { return cu ? static_cast<int64_t>(cu[s]) : s; };
   auto rows = [&](int64_t s) { return cu ? static_cast<int64_t>(cu[s + 1] - cu[s]) : 1; };
   int64_t max_rows = 1;
-  for (int64_t s = 0; s < S; ++s) max_rows = std::max(max_rows, rows(s));
+  for (const int64_t s : which) max_rows = std::max(max_rows, rows(s));
   // Most work first (context x rows), handed out one at a time: contexts are ragged (10..1,500
   // tokens in the CPU benchmark), and at::parallel_for's equal static halves left one core idle
   // for much of a layer (one Gemma layer, 16 ragged decodes, benchmarks/cpu_decode_attention.py:
   // 1.55 -> 1.32 ms full attention, 0.86 -> 0.81 ms with the 512 window).
-  std::vector<int64_t> order(S * m.hkv);
-  for (int64_t w = 0; w < S * m.hkv; ++w) order[w] = w;
+  std::vector<int64_t> order(S * m.hkv);  // (sequence, KV head) flattened
+  for (int64_t w = 0; w < S * m.hkv; ++w) order[w] = which[w / m.hkv] * m.hkv + w % m.hkv;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return lp[a / m.hkv] * rows(a / m.hkv) > lp[b / m.hkv] * rows(b / m.hkv);
   });
@@ -366,10 +368,13 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
 // q [R, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_table [S, max_blocks] int32;
 // seq_lens [S] int32; cu_seqlens_q [S + 1] int32 or empty (then R == S, one row each); sequence
 // s's rows are q[cu[s]:cu[s + 1]], the last at position seq_lens[s] - 1; sinks [Hq] fp32 or empty.
+// seqs (int32, optional): only these sequences, their rows written into `out` (optional, q's
+// shape; its other rows untouched): the decodes of a step that also has prefill chunks.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_table, const at::Tensor& seq_lens,
                         const at::Tensor& cu_seqlens_q, double scale, int64_t window,
-                        double softcap, const at::Tensor& sinks) {
+                        double softcap, const at::Tensor& sinks,
+                        const c10::optional<at::Tensor>& seqs, const c10::optional<at::Tensor>& out_) {
   TORCH_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && block_table.is_cpu() &&
               seq_lens.is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
@@ -399,16 +404,34 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   } else {
     TORCH_CHECK(q.size(0) == S, "paged_decode: without cu_seqlens_q, one q row per sequence");
   }
-  at::Tensor out = at::empty_like(q);
+  std::vector<int64_t> which;
+  if (seqs.has_value()) {
+    TORCH_CHECK(seqs->scalar_type() == at::kInt && seqs->is_contiguous() && seqs->dim() == 1,
+                "paged_decode: seqs int32 [S']");
+    const int32_t* wp = seqs->data_ptr<int32_t>();
+    for (int64_t i = 0; i < seqs->numel(); ++i) {
+      TORCH_CHECK(wp[i] >= 0 && wp[i] < S, "paged_decode: seqs entries in [0, S)");
+      which.push_back(wp[i]);
+    }
+  } else {
+    for (int64_t s = 0; s < S; ++s) which.push_back(s);
+  }
+  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "paged_decode: out must be contiguous, with q's shape and dtype");
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m); break;
-    case at::kBFloat16: run<at::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m); break;
-    case at::kHalf: run<at::Half>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m); break;
+    case at::kFloat: run<float>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m, which); break;
+    case at::kBFloat16: run<at::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m, which); break;
+    case at::kHalf: run<at::Half>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m, which); break;
     default: TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16");
   }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("paged_decode", &paged_decode, "paged decode attention, KV read in place");
+  mod.def("paged_decode", &paged_decode, "paged decode attention, KV read in place",
+          py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+          py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("scale"), py::arg("window"),
+          py::arg("softcap"), py::arg("sinks"), py::arg("seqs") = py::none(),
+          py::arg("out") = py::none());
 }

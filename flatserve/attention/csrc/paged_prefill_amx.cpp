@@ -114,21 +114,7 @@ void scores(Scratch& w, const uint16_t* kp, int64_t pj, int64_t bk, const Geo& g
   }
 }
 
-// exp of 16 lanes: exp_poly's polynomial (cpu_math.h) with AVX-512's scalef for the 2^i.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(2.1871262307292775e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2382415543543816e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.686186289582578e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5478912463380964e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40231096761393e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468377007519e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000006158204f));
-  return _mm512_scalef_ps(p, fi);
-}
+using flatserve::exp16;
 
 // Lanes c..c + 15 of a step that fall inside [a, b).
 inline __mmask16 lanes(int64_t c, int64_t a, int64_t b) {
@@ -281,9 +267,14 @@ bool available() { return flatserve::amx_available(); }
 // q [R, Hq, D] bf16; caches [num_blocks, block_size, Hkv, D] bf16; block_table [S, max_blocks],
 // seq_lens [S], cu_seqlens_q [S + 1] int32: sequence s's rows are q[cu[s]:cu[s + 1]], the last at
 // position seq_lens[s] - 1, each seeing the keys up to its own position (and inside the window).
+// seqs (int32, optional): only these sequences, their rows written into `out` (optional, q's
+// shape; its other rows untouched). A step that mixes decodes with prefill chunks sends each
+// kind to its kernel this way instead of gathering q's rows and scattering the outputs (index +
+// index_put: ~0.1 s of 1.8 s of prompt steps at 16 requests, benchmarks/cpu_profile_step.py).
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
-                         const at::Tensor& cu_seqlens_q, double scale, int64_t window) {
+                         const at::Tensor& cu_seqlens_q, double scale, int64_t window,
+                         const c10::optional<at::Tensor>& seqs, const c10::optional<at::Tensor>& out_) {
   TORCH_CHECK(available(), "paged_prefill: AMX bf16 tiles are not available in this process");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && q.scalar_type() == at::kBFloat16 &&
@@ -303,9 +294,21 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* lp = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(cu[0] == 0 && cu[S] == q.size(0), "paged_prefill: cu_seqlens_q must span q's rows");
+  std::vector<int64_t> which;  // the sequences to run
+  if (seqs.has_value()) {
+    TORCH_CHECK(seqs->scalar_type() == at::kInt && seqs->is_contiguous() && seqs->dim() == 1,
+                "paged_prefill: seqs int32 [S']");
+    const int32_t* sp = seqs->data_ptr<int32_t>();
+    for (int64_t i = 0; i < seqs->numel(); ++i) {
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "paged_prefill: seqs entries in [0, S)");
+      which.push_back(sp[i]);
+    }
+  } else {
+    for (int64_t s = 0; s < S; ++s) which.push_back(s);
+  }
   std::vector<std::vector<Run>> batches(1);
   int64_t total = 0, most = 0;  // packed elements of the current batch, of the largest one
-  for (int64_t s = 0; s < S; ++s) {
+  for (const int64_t s : which) {
     const int64_t n = cu[s + 1] - cu[s], L = lp[s];
     TORCH_CHECK(n >= 1 && n <= L && (L + g.bs - 1) / g.bs <= g.max_blocks,
                 "paged_prefill: each sequence needs 1..seq_len rows and its blocks in the table");
@@ -321,7 +324,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     total += size;
     most = std::max(most, total);
   }
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "paged_prefill: out must be contiguous, with q's shape and dtype");
 #ifdef FLATSERVE_AMX
   at::Tensor kp = at::empty({most}, q.options()), vp = at::empty({most}, q.options());
   auto u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
@@ -336,5 +341,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("available", &available, "AMX bf16 compiled in and tile state granted to this process");
-  mod.def("paged_prefill", &paged_prefill, "paged prefill attention on AMX tiles, KV read in place");
+  mod.def("paged_prefill", &paged_prefill, "paged prefill attention on AMX tiles, KV read in place",
+          py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+          py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("scale"), py::arg("window"),
+          py::arg("seqs") = py::none(), py::arg("out") = py::none());
 }
