@@ -31,7 +31,7 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
 # Engine variants: flatserve with one engine argument changed, for same-run A/Bs.
 VARIANTS = {"flatserve": {}, "flatserve-int8": {"quantization": "int8"},
             "flatserve-torchgemm": {"cpu_gemm": "torch"}, "flatserve-onednn": {"cpu_gemm": "onednn"},
-            "flatserve-unfused": {"fused_ops": "none"},
+            "flatserve-unfused": {"fused_ops": "none"}, "flatserve-copyhead": {"copy_tied_lm_head": True},
             "flatserve-sdpa": {"attention_backend": "cpu-sdpa"},
             "flatserve-ngram": {"speculative_method": "ngram", "num_speculative_tokens": 3}}
 

@@ -36,6 +36,9 @@ class EngineConfig:
     # CPU bf16 linears: auto | amx (our AMX kernel, flatserve/model/amx.py) | onednn (pre-packed
     # weights, flatserve/model/onednn.py) | torch. auto: amx, else onednn, else torch.
     cpu_gemm: str = "auto"
+    # amx: a tied LM head is read in place from the embedding table; True packs a copy instead
+    # (+335 MB for the default model; decode steps at 16 requests ~5% faster on the dev box).
+    copy_tied_lm_head: bool = False
     served_model_name: str | None = None
     chat_template: str | None = None  # path to a Jinja template overriding the model's
     # Speculative decoding: None | "ngram" (prompt lookup) | "draft" (speculative_model).

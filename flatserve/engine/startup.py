@@ -140,7 +140,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     if cfg.quantization:
         weights = _quantize(model, device)
     if gemm != "torch":
-        weights += _pack(model, device, gemm)
+        weights += _pack(model, device, gemm, cfg.copy_tied_lm_head)
     draft = _load_draft(cfg, mcfg, dtype, device, gemm)
     ops.enable(model, fused, backend)
     if draft:
@@ -224,12 +224,12 @@ def _cpu_gemm(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> st
     return cfg.cpu_gemm
 
 
-def _pack(model: torch.nn.Module, device: torch.device, gemm: str) -> int:
+def _pack(model: torch.nn.Module, device: torch.device, gemm: str, copy_tied: bool) -> int:
     """Linears into the `gemm` path's packed layout in place; -> bytes added (a tied LM head's
-    second copy)."""
+    second copy, where one is made)."""
     from flatserve.model import amx, onednn
 
-    added = (amx if gemm == "amx" else onednn).pack_linears(model)
+    added = amx.pack_linears(model, copy_tied) if gemm == "amx" else onednn.pack_linears(model)
     dev.release_freed_memory(device)
     return added
 
@@ -246,7 +246,7 @@ def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, devi
     if cfg.quantization:
         weights = _quantize(model, device)
     if gemm != "torch":
-        weights += _pack(model, device, gemm)
+        weights += _pack(model, device, gemm, cfg.copy_tied_lm_head)
     return model, mcfg, weights
 
 

@@ -8,8 +8,8 @@ docs/benchmarks/cpu.md (session 8) end to end. Same fp32 accumulation and one bf
 oneDNN and F.linear.
 
 Linears whose shapes do not tile (out_features % 64, in_features % 32) stay on oneDNN. Like
-oneDNN's, the packed weight replaces the plain one, except a tied LM head (counted by
-`pack_linears`).
+oneDNN's, the packed weight replaces the plain one. A tied LM head is not packed: the plain
+kernel reads the embedding table it shares, so no second copy is held.
 """
 from __future__ import annotations
 
@@ -41,30 +41,50 @@ def fits(weight: torch.Tensor) -> bool:
 
 
 class AMXLinear(nn.Module):
-    """y = x @ W.T + b with W held as AMX B tiles, [N/64, K/32, 4, 16, 16, 2]."""
+    """y = x @ W.T + b with W held as AMX B tiles, [N/64, K/32, 4, 16, 16, 2]; or, with
+    `plain`, W read as it is stored ([N, K], no copy: a tied LM head reads the embedding table).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    The plain kernel (`linear_plain`) computes C^T = W x^T with A tiles taken straight from W's
+    rows. On the 262k x 640 LM head it ran 0.93-1.04x of the packed kernel at 1-32 rows and 0.90x
+    at 64 (benchmarks/cpu_gemm_ab.py), and it saves the packed copy (335 MB for Gemma 3 270M).
+    The per-layer weights stay packed: their plain reads were up to 2.7x slower where rows sit
+    2-4 KB apart (K = 1,024 / 2,048: L1 set conflicts), and packing them costs no memory.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plain: bool = False) -> None:
         super().__init__()
         assert fits(weight), weight.shape
         self._ext = _ext()
         assert self._ext is not None and self._ext.available(), "AMX kernel not available here"
         self.out_features, self.in_features = n, k = weight.shape
-        # W[64g + 16j + c, 32s + 2p + e] -> packed[g, s, j, p, c, e]: k pairs interleaved (VNNI).
-        self.packed = (weight.detach().reshape(n // 64, 4, 16, k // 32, 16, 2)
-                       .permute(0, 3, 1, 4, 2, 5).contiguous())
+        self.plain = plain
+        if plain:
+            self.weight = weight.detach()  # [N, K], shared with its owner
+            self.packed = _EMPTY
+        else:
+            # W[64g + 16j + c, 32s + 2p + e] -> packed[g, s, j, p, c, e]: k pairs interleaved (VNNI).
+            self.packed = (weight.detach().reshape(n // 64, 4, 16, k // 32, 16, 2)
+                           .permute(0, 3, 1, 4, 2, 5).contiguous())
         self.bias = _EMPTY if bias is None else bias.detach().to(torch.bfloat16).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         lead = x.shape[:-1]
-        y = self._ext.linear(x.reshape(-1, self.in_features), self.packed, self.bias)  # [M, N]
+        x2 = x.reshape(-1, self.in_features)
+        if self.plain:
+            y = self._ext.linear_plain(x2, self.weight, self.bias)  # [M, N]
+        else:
+            y = self._ext.linear(x2, self.packed, self.bias)  # [M, N]
         return y.reshape(*lead, self.out_features)
 
 
-def _make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    return AMXLinear(weight, bias) if fits(weight) else onednn.OneDNNLinear(weight, bias)
+def pack_linears(model: nn.Module, copy_tied: bool = False) -> int:
+    """Swap every nn.Linear for AMXLinear (oneDNN where the shape does not tile) in place; a
+    tied LM head reads the embedding's rows in place unless `copy_tied` packs a copy of it.
+    -> bytes added (a tied head's copy, where one is made)."""
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, tied: bool) -> nn.Module:
+        if not fits(weight):
+            return onednn.OneDNNLinear(weight, bias)
+        plain = tied and not copy_tied
+        return AMXLinear(weight.contiguous() if plain else weight, bias, plain=plain)
 
-
-def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear for AMXLinear (oneDNN where the shape does not tile) in place;
-    -> bytes added (a tied LM head's copy)."""
-    return onednn.pack_linears(model, make=_make)
+    return onednn.pack_linears(model, make=make)

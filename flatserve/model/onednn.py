@@ -11,7 +11,8 @@ at 1-3 rows, so only bf16 weights are packed. End to end: docs/benchmarks/cpu.md
 
 Memory: the packed weight replaces the plain one, except where the LM head is tied to the
 embedding: the embedding keeps its plain rows for the lookup, so that one matrix is held twice
-(Gemma 3 270M: +335 MB). `pack_linears` returns the bytes it added so the budget counts them.
+(Gemma 3 270M: +335 MB; the AMX path instead reads those rows in place). `pack_linears` returns
+the bytes it added so the budget counts them.
 """
 from __future__ import annotations
 
@@ -51,17 +52,22 @@ class OneDNNLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module,
-                 make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = OneDNNLinear,
-                 ) -> int:
-    """Swap every nn.Linear for `make(weight, bias)` (OneDNNLinear unless given) in place;
-    -> bytes added (a tied LM head's copy)."""
+                 make: Callable[..., nn.Module] | None = None) -> int:
+    """Swap every nn.Linear for `make(weight, bias, tied)` (OneDNNLinear unless given) in place;
+    `tied`: the weight is the embedding table's. -> bytes added: a tied LM head's copy, where
+    the module made for it holds its own (anything but the very tensor it was given)."""
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     tied_weight = getattr(emb, "weight", None)
     added = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                if child.weight is tied_weight:
+                tied = child.weight is tied_weight
+                new = (make(child.weight, child.bias, tied) if make is not None
+                       else OneDNNLinear(child.weight, child.bias))
+                held = getattr(new, "weight", None)
+                if tied and not (isinstance(held, torch.Tensor)
+                                 and held.data_ptr() == tied_weight.data_ptr()):
                     added += child.weight.numel() * child.weight.element_size()
-                setattr(parent, name, make(child.weight, child.bias))
+                setattr(parent, name, new)
     return added

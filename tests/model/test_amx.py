@@ -53,7 +53,27 @@ def test_amx_linear_column_blocks_and_row_slabs(rows: int, groups: int) -> None:
 
 
 @needs_amx
-def test_amx_pack_falls_back_to_onednn_and_counts_a_tied_head() -> None:
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 70])
+def test_plain_kernel_matches_the_packed_one(rows: int) -> None:
+    """The plain-layout kernel (a tied LM head reads the embedding rows in place) against the
+    packed kernel, bit for bit (same tile products in the same order, one rounding), and the
+    float64 bound; 1 x 4 tiles up to 16 rows, 2 x 2 over 32-token pairs above, bias on odd rows."""
+    N = 64 * random.randint(1, 40)
+    K = 32 * random.choice([1, 5, 20, 32, 64])
+    w = (torch.randn(N, K) * 2).bfloat16()
+    bias = torch.randn(N).bfloat16() if rows % 2 else None
+    x = torch.randn(rows, K).bfloat16()
+    plain = amx.AMXLinear(w, bias, plain=True)
+    assert plain.weight.data_ptr() == w.data_ptr()  # no copy
+    got = plain(x)
+    assert torch.equal(got, amx.AMXLinear(w, bias)(x))
+    ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    slack = (x.double().abs() @ w.double().abs().t()) * 1e-5
+    assert ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -8 + slack).all()
+
+
+@needs_amx
+def test_amx_pack_falls_back_to_onednn_and_shares_a_tied_head() -> None:
     class M(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -67,8 +87,10 @@ def test_amx_pack_falls_back_to_onednn_and_counts_a_tied_head() -> None:
     m = M()
     x = torch.randn(3, 64).bfloat16()
     before = [m.model.proj(x), m.model.odd(x), m.lm_head(x)]
-    assert amx.pack_linears(m) == 1024 * 64 * 2
+    assert amx.pack_linears(m) == 0  # the tied head reads the embedding's rows: no copy
     assert isinstance(m.lm_head, amx.AMXLinear) and isinstance(m.model.proj, amx.AMXLinear)
+    assert m.lm_head.plain and not m.model.proj.plain
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
     assert isinstance(m.model.odd, onednn.OneDNNLinear)
     assert m.model.embed_tokens.weight.shape == (1024, 64)  # the lookup keeps its plain rows
     for a, b in zip(before, [m.model.proj(x), m.model.odd(x), m.lm_head(x)]):

@@ -15,6 +15,8 @@
 
 #include "amx_tiles.h"
 
+#include <vector>
+
 namespace {
 
 #ifdef FLATSERVE_AMX
@@ -108,9 +110,160 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
             }
           }
 }
+
+// ---- The plain layout: W [N, K] as stored (rows contiguous), for up to 32 rows of x. ----
+// C^T = W x^T on tiles: A tiles are 16 W rows x 32 k straight from the weight (row stride 2K),
+// B tiles are x^T in pair-interleaved form (packed once per call, a few KB), and each C tile
+// (16 W rows x 16 tokens) is transposed in registers on its way out. The weight is read once,
+// in 64-row groups whose rows stream side by side; it needs no packed copy, so a tied LM head
+// reads the embedding table itself and prefill chunks can take oneDNN's F.linear on the same
+// tensor.
+
+// 16 x 16 fp32 transpose: r[i][j] -> r[j][i] (unpack ps, unpack pd, two 128-bit lane shuffles).
+inline void transpose16(__m512 r[16]) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int m = 0; m < 16; m += 4) {  // b[m + c], lane L: column 4L + c of rows m..m+3
+    b[m] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a[m]), pd(a[m + 2])));
+    b[m + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a[m]), pd(a[m + 2])));
+    b[m + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a[m + 1]), pd(a[m + 3])));
+    b[m + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a[m + 1]), pd(a[m + 3])));
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane L of b[c], b[4 + c], b[8 + c], b[12 + c]
+    const __m512 e0 = _mm512_shuffle_f32x4(b[c], b[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 e1 = _mm512_shuffle_f32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 e2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 e3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    r[c] = _mm512_shuffle_f32x4(e0, e2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + c] = _mm512_shuffle_f32x4(e0, e2, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + c] = _mm512_shuffle_f32x4(e1, e3, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + c] = _mm512_shuffle_f32x4(e1, e3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// One spilled C tile c[w][t] (W rows n0.., tokens t0..) -> y[t0 + t][n0 + w] for t < rows.
+inline void store_transposed(const float (*c)[16], const at::BFloat16* bias, at::BFloat16* y,
+                             int64_t N, int64_t rows) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c[i]);
+  transpose16(r);
+  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16))
+                        : _mm512_setzero_ps();
+  for (int64_t t = 0; t < rows; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + t * N), reinterpret_cast<__m256i>(
+                            _mm512_cvtneps_pbh(_mm512_add_ps(r[t], b))));
+}
+
+// The next 64-row group (contiguous: 64 rows x 2K bytes) is prefetched into L2 in sequential 4 KB
+// pieces, one per k step, while this group's lines are read down its columns. Prefetching the
+// lines two k steps ahead instead (64 lines 2K bytes apart, as gemm_1x4 does for its contiguous
+// panel) ran the LM head at 0.90x of the packed kernel: lines 2-4 KB apart share L1 sets.
+inline void prefetch_next(const char* next, int64_t piece, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(next + piece * bytes + b, _MM_HINT_T1);
+}
+
+// Up to 16 tokens: per k step one B tile meets the 4 A tiles of a 64-row group.
+void plain_1x4(const Problem& p, const char* xt, int64_t g0, int64_t g1) {
+  const int64_t N = p.N, K = p.K, KB = K / 32, rs = K * 2;
+  alignas(64) float c[4][16][16];
+  for (int64_t g = g0; g < g1; ++g) {
+    const char* wg = p.w + g * 64 * rs;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      if (g + 1 < g1) prefetch_next(wg + 64 * rs, kb, 64 * 64);
+      _tile_loadd(6, xt + kb * 1024, 64);
+      const char* wk = wg + kb * 64;
+      _tile_loadd(4, wk, rs);           _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, wk + 16 * rs, rs); _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(4, wk + 32 * rs, rs); _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(5, wk + 48 * rs, rs); _tile_dpbf16ps(3, 5, 6);
+    }
+    _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+    for (int j = 0; j < 4; ++j)
+      store_transposed(c[j], p.bias_at(g * 64 + j * 16), p.y + g * 64 + j * 16, N, p.M);
+  }
+}
+
+// More tokens: 2 x 2 tiles, 32 W rows x 32 tokens. Each half of a 64-row group (40 KB at
+// K = 640) meets every 32-token pair in turn: from memory for the first pair, from L1/L2 after.
+void plain_2x2(const Problem& p, const char* xt, int64_t g0, int64_t g1) {
+  const int64_t N = p.N, K = p.K, KB = K / 32, rs = K * 2, TP = (p.M + 31) / 32;
+  alignas(64) float c[2][2][16][16];
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t h = 0; h < 2; ++h) {
+      const char* wg = p.w + (g * 64 + h * 32) * rs;
+      for (int64_t tp = 0; tp < TP; ++tp) {
+        const char* x0 = xt + 2 * tp * KB * 1024;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          if (tp == 0 && (h == 0 || g + 1 < g1)) prefetch_next(wg + 32 * rs, kb, 32 * 64);
+          _tile_loadd(6, x0 + kb * 1024, 64);
+          _tile_loadd(7, x0 + (KB + kb) * 1024, 64);
+          const char* wk = wg + kb * 64;
+          _tile_loadd(4, wk, rs);
+          _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(5, wk + 16 * rs, rs);
+          _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c[0][0], 64); _tile_stored(1, c[0][1], 64);
+        _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
+        for (int w = 0; w < 2; ++w)
+          for (int t = 0; t < 2; ++t) {
+            const int64_t col = g * 64 + h * 32 + w * 16, t0 = (2 * tp + t) * 16;
+            const int64_t rows = std::min<int64_t>(16, p.M - t0);
+            if (rows > 0) store_transposed(c[w][t], p.bias_at(col), p.y + t0 * N + col, N, rows);
+          }
+      }
+    }
+}
 #endif
 
 bool available() { return flatserve::amx_available(); }
+
+// x [M, K] bf16, w [N, K] bf16 contiguous (N % 64 == 0, K % 32 == 0), bias [N] or empty ->
+// y [M, N]: the plain weight, no packed copy (prefill chunks take F.linear: flatserve/model/amx.py).
+torch::Tensor linear_plain(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
+  TORCH_CHECK(available(), "AMX bf16 tiles are not available in this process");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.dim() == 2 &&
+              w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "amx linear_plain: x [M, K] bf16 and a contiguous bf16 weight [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 32 == 0 && N % 64 == 0,
+              "amx linear_plain: K % 32 == 0 and N % 64 == 0; got x ", x.sizes(), ", w ", w.sizes());
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() &&
+                                     bias.scalar_type() == at::kBFloat16), "amx linear_plain: bias [N] bf16");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+#ifdef FLATSERVE_AMX
+  // x^T as B tiles, [token block][K/32][16 k pairs][16 tokens] u32 pairs, zero past M.
+  const int64_t KB = K / 32, TB = M <= 16 ? 1 : (M + 31) / 32 * 2;
+  std::vector<uint32_t> xt_buf(TB * KB * 256 + 16, 0u);
+  uint32_t* xt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(xt_buf.data()) + 63) & ~uintptr_t{63});
+  const torch::Tensor xs = x.contiguous();
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xs.data_ptr());
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t kb = 0; kb < KB; ++kb)
+      for (int64_t q = 0; q < 16; ++q)
+        xt[((t / 16) * KB + kb) * 256 + q * 16 + t % 16] = x32[t * (K / 2) + kb * 16 + q];
+  const Problem p{nullptr, static_cast<const char*>(w.data_ptr()),
+                  bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
+                  M, N, K};
+  const char* xtc = reinterpret_cast<const char*>(xt);
+  at::parallel_for(0, N / 64, 1, [&](int64_t g0, int64_t g1) {
+    flatserve::load_tile_config();
+    if (TB == 1) plain_1x4(p, xtc, g0, g1);
+    else plain_2x2(p, xtc, g0, g1);
+    _tile_release();
+  });
+#endif
+  return y;
+}
 
 // x [M, K] bf16, w_packed [N/64, K/32, 4, 16, 16, 2] bf16, bias [N] bf16 or empty -> y [M, N].
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, const torch::Tensor& bias) {
@@ -154,4 +307,5 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "AMX bf16 compiled in and tile state granted to this process");
   m.def("linear", &linear, "x [M, K] bf16 @ packed W (+ bias) -> [M, N] bf16");
+  m.def("linear_plain", &linear_plain, "x [M, K] bf16 @ plain W [N, K]^T (+ bias) -> [M, N] bf16");
 }
