@@ -90,6 +90,11 @@ def _full_step(mcfg: ModelConfig, cfg: EngineConfig, seqs: int, k: int,
     return out, nxt
 
 
+def _longest(cfg: EngineConfig, mcfg: ModelConfig) -> int:
+    """The longest sequence a request may reach before the budget caps it."""
+    return cfg.max_model_len or mcfg.max_position_embeddings
+
+
 def _last_chunk_step(mcfg: ModelConfig, cfg: EngineConfig, longest: int,
                      params: SamplingParams) -> tuple[SchedulerOutput, int]:
     """The last chunk (max_num_batched_tokens tokens) of a prompt of `longest` tokens: the
@@ -113,10 +118,9 @@ def profile_peak(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
     # Speculation: each request verifies k drafts, so k + 1 sampled rows each (the sampler's
     # [rows, vocab] temporaries grow with them).
     k = cfg.num_speculative_tokens if cfg.speculative_method else 0
-    longest = cfg.max_model_len or mcfg.max_position_embeddings
     steps = [_full_step(mcfg, cfg, cfg.max_num_seqs, k, params)]
     if device.type != "cuda":  # the Triton kernel reads paged KV in place: no [rows, keys] temps
-        steps.append(_last_chunk_step(mcfg, cfg, longest, params))
+        steps.append(_last_chunk_step(mcfg, cfg, _longest(cfg, mcfg), params))
     peak = 0
     for out, blocks in steps:
         runner = ModelRunner(model, mcfg, blocks, cfg.block_size, dtype, device, backend)
@@ -136,8 +140,7 @@ def warm_heap(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
     steps at 16 requests: docs/benchmarks/cpu.md, session 10). As few sequences as
     max_model_len allows (one chunk of a long prompt, a step the scheduler builds), one sampled
     row each: the profile's worst-case sampler rows would hold far more than real steps use."""
-    longest = cfg.max_model_len or mcfg.max_position_embeddings
-    seqs = -(-cfg.max_num_batched_tokens // longest)
+    seqs = -(-cfg.max_num_batched_tokens // _longest(cfg, mcfg))
     out, blocks = _full_step(mcfg, cfg, seqs, 0, SamplingParams(max_tokens=1, temperature=0))
     runner = ModelRunner(model, mcfg, blocks, cfg.block_size, dtype, device, backend)
     runner.execute(out, Sampler(mcfg.vocab_size, frozenset(), 0))
@@ -172,8 +175,8 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     # counted as weights: grown lazily inside steps, they were memory the budget never saw
     # (and each layer held its own copy before share_rope_tables).
     models = [model] + ([draft[0]] if draft else [])
-    longest = cfg.max_model_len or mcfg.max_position_embeddings
-    rope = sum(r.grow(longest + 1) for m in models for r in share_rope_tables(m))
+    longest = _longest(cfg, mcfg)
+    rope = sum(r.build(longest + 1) for m in models for r in share_rope_tables(m))
     peak = profile_peak(model, mcfg, cfg, dtype, device, backend)
     dev.release_freed_memory(device)
     # From here freed memory stays with the process: the heap grows to what the workload's steps
@@ -197,8 +200,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     if budget.max_model_len < longest:  # the budget capped the context: smaller tables
         for m in models:
             for r in share_rope_tables(m):
-                r.store.t = None
-                r.grow(budget.max_model_len + 1)
+                r.build(budget.max_model_len + 1)
     graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs
     runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend,
                          graph_max_seqs=graphs, max_model_len=budget.max_model_len)

@@ -45,8 +45,8 @@ class AMXLinear(nn.Module):
     `plain`, W read as it is stored ([N, K], no copy: a tied LM head reads the embedding table).
 
     The plain kernel (`linear_plain`) computes C^T = W x^T with A tiles taken straight from W's
-    rows. On the 262k x 640 LM head it ran 0.93-1.04x of the packed kernel at 1-32 rows and 0.90x
-    at 64 (benchmarks/cpu_gemm_ab.py), and it saves the packed copy (335 MB for Gemma 3 270M).
+    rows. On the 262k x 640 LM head it ran 0.88-1.04x of the packed kernel at 1-32 rows and
+    0.87-0.90x at 64 (benchmarks/cpu_plain_gemm.py and its scratch forerunner, two runs), and it saves the packed copy (335 MB for Gemma 3 270M).
     The per-layer weights stay packed: their plain reads were up to 2.7x slower where rows sit
     2-4 KB apart (K = 1,024 / 2,048: L1 set conflicts), and packing them costs no memory.
     """
@@ -88,8 +88,9 @@ def pack_linears(model: nn.Module, copy_tied: bool = False) -> int:
         if plain:
             # The loader adopts checkpoint tensors as file-backed mmap pages; the head read them
             # ~12% slower than anonymous memory (in-engine LM head 14.9-15.0 -> 13.2-13.3 ms at
-            # 16 rows), so the shared table moves to memory of its own, lookup included. The
-            # file pages go with the mapping; the copy is transient at load.
+            # 16 rows; a scratch A/B before this copy, docs/benchmarks/session11/profiles.txt),
+            # so the shared table moves to memory of its own, lookup included. The file pages
+            # go with the mapping; the copy is transient at load.
             weight.data = torch.empty_like(weight.data, memory_format=torch.contiguous_format)\
                 .copy_(weight.data)
         return AMXLinear(weight, bias, plain=plain)

@@ -91,18 +91,16 @@ class Rotary(nn.Module):
         """fp32 [2, P, D] cos|sin for positions < P (P >= n; grown lazily to a power of two)."""
         t = self.store.t
         if t is None or t.shape[1] < n:
-            self.grow(1 << max(10, (n - 1).bit_length()))
+            self.build(1 << max(10, (n - 1).bit_length()))
         return self.store.t
 
-    def grow(self, size: int) -> int:
-        """The table for exactly `size` positions (if it has fewer); -> bytes it holds."""
-        t = self.store.t
-        if t is None or t.shape[1] < size:
-            pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
-            freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
-            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-            self.store.t = None  # the old table goes before the new one is built
-            self.store.t = torch.stack([emb.cos(), emb.sin()])  # [2, P, D]
+    def build(self, size: int) -> int:
+        """The shared table for exactly `size` positions, replacing the old one; -> its bytes."""
+        pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.store.t = None  # the old table goes before the new one is built
+        self.store.t = torch.stack([emb.cos(), emb.sin()])  # [2, P, D]
         return self.store.t.numel() * 4
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

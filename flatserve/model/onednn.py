@@ -52,7 +52,7 @@ class OneDNNLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module,
-                 make: Callable[..., nn.Module] | None = None) -> int:
+                 make: Callable[..., nn.Module] = lambda w, b, tied: OneDNNLinear(w, b)) -> int:
     """Swap every nn.Linear for `make(weight, bias, tied)` (OneDNNLinear unless given) in place;
     `tied`: the weight is the embedding table's. -> bytes added: a tied LM head's copy, where
     the module made for it holds its own (anything but the very tensor it was given)."""
@@ -63,8 +63,7 @@ def pack_linears(model: nn.Module,
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 tied = child.weight is tied_weight
-                new = (make(child.weight, child.bias, tied) if make is not None
-                       else OneDNNLinear(child.weight, child.bias))
+                new = make(child.weight, child.bias, tied)
                 held = getattr(new, "weight", None)
                 if tied and not (isinstance(held, torch.Tensor)
                                  and held.data_ptr() == tied_weight.data_ptr()):

@@ -24,6 +24,7 @@
 
 #include "amx_tiles.h"
 #include "cpu_math.h"
+#include "seq_list.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -404,21 +405,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   } else {
     TORCH_CHECK(q.size(0) == S, "paged_decode: without cu_seqlens_q, one q row per sequence");
   }
-  std::vector<int64_t> which;
-  if (seqs.has_value()) {
-    TORCH_CHECK(seqs->scalar_type() == at::kInt && seqs->is_contiguous() && seqs->dim() == 1,
-                "paged_decode: seqs int32 [S']");
-    const int32_t* wp = seqs->data_ptr<int32_t>();
-    for (int64_t i = 0; i < seqs->numel(); ++i) {
-      TORCH_CHECK(wp[i] >= 0 && wp[i] < S, "paged_decode: seqs entries in [0, S)");
-      which.push_back(wp[i]);
-    }
-  } else {
-    for (int64_t s = 0; s < S; ++s) which.push_back(s);
-  }
-  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q);
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "paged_decode: out must be contiguous, with q's shape and dtype");
+  const std::vector<int64_t> which = flatserve::sequence_list(seqs, S, "paged_decode");
+  at::Tensor out = flatserve::output_for(q, out_, "paged_decode");
   switch (q.scalar_type()) {
     case at::kFloat: run<float>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m, which); break;
     case at::kBFloat16: run<at::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, m, which); break;

@@ -30,6 +30,7 @@
 
 #include "amx_tiles.h"
 #include "cpu_math.h"
+#include "seq_list.h"
 
 namespace {
 
@@ -294,18 +295,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* lp = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(cu[0] == 0 && cu[S] == q.size(0), "paged_prefill: cu_seqlens_q must span q's rows");
-  std::vector<int64_t> which;  // the sequences to run
-  if (seqs.has_value()) {
-    TORCH_CHECK(seqs->scalar_type() == at::kInt && seqs->is_contiguous() && seqs->dim() == 1,
-                "paged_prefill: seqs int32 [S']");
-    const int32_t* sp = seqs->data_ptr<int32_t>();
-    for (int64_t i = 0; i < seqs->numel(); ++i) {
-      TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "paged_prefill: seqs entries in [0, S)");
-      which.push_back(sp[i]);
-    }
-  } else {
-    for (int64_t s = 0; s < S; ++s) which.push_back(s);
-  }
+  const std::vector<int64_t> which = flatserve::sequence_list(seqs, S, "paged_prefill");
   std::vector<std::vector<Run>> batches(1);
   int64_t total = 0, most = 0;  // packed elements of the current batch, of the largest one
   for (const int64_t s : which) {
@@ -324,9 +314,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     total += size;
     most = std::max(most, total);
   }
-  at::Tensor out = out_.has_value() ? *out_ : at::empty_like(q);
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "paged_prefill: out must be contiguous, with q's shape and dtype");
+  at::Tensor out = flatserve::output_for(q, out_, "paged_prefill");
 #ifdef FLATSERVE_AMX
   at::Tensor kp = at::empty({most}, q.options()), vp = at::empty({most}, q.options());
   auto u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
