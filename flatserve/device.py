@@ -198,6 +198,23 @@ def probe_memory(device: torch.device) -> MemoryProbe:
     return MemoryProbe(vm.total, vm.available, True, device.type)
 
 
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose host pages are mapped on first write (anonymous mmap) rather than
+    filled up front, so a CPU process holds what it has used, not what it may use. The KV
+    pool is the case: the default model's 15.7 GiB pool on a 24 GB box took 15 s of a 24 s
+    start-up to zero and left 17.8 GB resident for a one-prompt `generate`. The budget still
+    caps the pool; the kernel counts its pages as they are touched. GPUs: torch.zeros."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import math
+    import mmap
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1))  # private anonymous: zero pages, faulted in on write
+    # frombuffer holds a reference to buf, so the mapping lives as long as the tensor.
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 def release_freed_memory(device: torch.device) -> None:
     """Hand freed heap pages back to the OS (glibc keeps them, and RSS with them, otherwise)."""
     if device.type == "cuda":

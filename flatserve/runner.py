@@ -81,13 +81,16 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, backend: str,
-                 graph_max_seqs: int = 0, max_model_len: int = 0) -> None:
+                 graph_max_seqs: int = 0, max_model_len: int = 0, on_demand: bool = False) -> None:
         self.model, self.cfg, self.block_size = model, cfg, block_size
         self.device, self.dtype = device, dtype
         self.backend = get_backend(backend)
-        # One allocation for the whole pool: [layers, K|V, blocks, block_size, Hkv, D].
-        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
-                              cfg.head_dim, dtype=dtype, device=device)
+        # One allocation for the whole pool: [layers, K|V, blocks, block_size, Hkv, D]. The
+        # serving pool's host pages are mapped as blocks are first written (on_demand); start-up's
+        # profile pools are filled up front so their pages sit below the measured peak.
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = (dev.zeros_on_demand(shape, dtype, device) if on_demand
+                   else torch.zeros(shape, dtype=dtype, device=device))
         attn = [m for m in model.modules() if isinstance(m, Attention)]
         assert len(attn) == cfg.num_layers
         for i, layer in enumerate(attn):

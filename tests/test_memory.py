@@ -166,3 +166,22 @@ def test_keep_freed_heap_stops_per_step_page_faults() -> None:
     assert took == "True"
     assert plain > 20_000, plain  # 144 MB / 4 KB = 36,864 pages
     assert kept < plain // 10, (kept, plain)
+
+
+def test_zeros_on_demand_maps_pages_as_written() -> None:
+    """The KV pool's allocation: reads as zeros, keeps what is written, and holds resident only
+    the pages written so far (torch.zeros of the same size would fault in all 1 GiB)."""
+    import torch
+
+    from flatserve import device as dev
+
+    rss0 = dev.process_rss()
+    t = dev.zeros_on_demand((2, 1024, 256, 1024), torch.bfloat16, torch.device("cpu"))  # 1 GiB
+    assert t.shape == (2, 1024, 256, 1024) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert dev.process_rss() - rss0 < 64 * MiB
+    part = torch.randn(64, 256, 1024).to(torch.bfloat16)  # 32 MiB
+    t[1, 100:164] = part
+    assert torch.equal(t[1, 100:164], part)
+    assert dev.process_rss() - rss0 < 160 * MiB  # the written 32 MiB (+ part itself)
+    assert t[0, 3:7].abs().sum().item() == 0 and t[1, 500:600].abs().sum().item() == 0
+    assert dev.process_rss() - rss0 < 192 * MiB  # reading zero pages maps no new memory

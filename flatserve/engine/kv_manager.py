@@ -29,36 +29,53 @@ class KVCacheBlock:
 
 
 class BlockPool:
-    """Free queue whose order is the eviction order (least recently freed first)."""
+    """Free blocks in three places, taken in this order:
+
+    - `spare`: freed blocks holding nothing reusable (no hash), last freed first (hot in cache);
+    - fresh: never handed out, ids [fresh_next, num_blocks). The CPU pool's pages are mapped on
+      first write (device.zeros_on_demand), so taking these last keeps RSS at what the workload
+      has used: 16 benchmark requests touch ~700 of the default pool's 57k blocks;
+    - `free`: freed blocks that keep a cached prefix's hash, in eviction order (least recently
+      freed first): reused only when nothing else is left.
+    """
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 KV blocks (one is reserved), got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.blocks[NULL_BLOCK].ref_cnt = 1  # never freed, never handed out
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.spare: list[int] = []
+        self.fresh_next = NULL_BLOCK + 1
+        self.free: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[int, int] = {}  # block_hash -> block_id
         self.enable_caching = enable_caching
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.spare) + len(self.blocks) - self.fresh_next + len(self.free)
 
     @property
     def num_usable(self) -> int:
         return len(self.blocks) - 1
 
+    def is_free(self, bid: int) -> bool:
+        return bid >= self.fresh_next or bid in self.free or bid in self.spare
+
     def take(self, n: int) -> list[int]:
-        assert n <= len(self.free), "caller checks capacity first"
+        assert n <= self.num_free, "caller checks capacity first"
         out = []
         for _ in range(n):
-            bid, _ = self.free.popitem(last=False)
-            blk = self.blocks[bid]
-            if blk.block_hash is not None:  # evict: its content is about to be overwritten
+            if self.spare:
+                bid = self.spare.pop()
+            elif self.fresh_next < len(self.blocks):
+                bid, self.fresh_next = self.fresh_next, self.fresh_next + 1
+            else:
+                bid, _ = self.free.popitem(last=False)
+                blk = self.blocks[bid]  # evict: its content is about to be overwritten
                 if self.cached.get(blk.block_hash) == bid:
                     del self.cached[blk.block_hash]
                 blk.block_hash = None
-            blk.ref_cnt = 1
+            self.blocks[bid].ref_cnt = 1
             out.append(bid)
         return out
 
@@ -67,7 +84,7 @@ class BlockPool:
         for bid in block_ids:
             blk = self.blocks[bid]
             if blk.ref_cnt == 0:
-                del self.free[bid]
+                del self.free[bid]  # only hashed blocks are found, and those wait in `free`
             blk.ref_cnt += 1
 
     def release(self, block_ids: list[int]) -> None:
@@ -77,7 +94,10 @@ class BlockPool:
             blk.ref_cnt -= 1
             assert blk.ref_cnt >= 0, f"block {bid} ref count went negative"
             if blk.ref_cnt == 0:
-                self.free[bid] = None
+                if blk.block_hash is None:
+                    self.spare.append(bid)
+                else:
+                    self.free[bid] = None
 
     def lookup(self, block_hash: int) -> int | None:
         return self.cached.get(block_hash) if self.enable_caching else None
@@ -204,4 +224,4 @@ class KVCacheManager:
                 counts[b] += 1
         for blk in self.pool.blocks[1:]:
             assert blk.ref_cnt == counts[blk.block_id], (blk, counts[blk.block_id])
-            assert (blk.ref_cnt == 0) == (blk.block_id in self.pool.free), blk
+            assert (blk.ref_cnt == 0) == self.pool.is_free(blk.block_id), blk

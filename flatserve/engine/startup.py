@@ -203,9 +203,10 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
                 r.build(budget.max_model_len + 1)
     graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs
     runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend,
-                         graph_max_seqs=graphs, max_model_len=budget.max_model_len)
+                         graph_max_seqs=graphs, max_model_len=budget.max_model_len, on_demand=True)
     draft_runner = None if draft is None else ModelRunner(
-        draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend)
+        draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend,
+        on_demand=True)
     state = EngineState(mcfg, src, device, dtype, backend, budget,
                         _eos_ids(mcfg, tokenizer, src), weights, fused, gemm)
     return state, tokenizer, runner, draft_runner

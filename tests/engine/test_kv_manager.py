@@ -70,14 +70,43 @@ def test_freed_blocks_stay_cached_and_evict_lru() -> None:
 
 def test_eviction_order_prefers_least_recently_freed() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)  # 3 usable
-    old, new = _req("old", [1, 2, 0]), _req("new", [3, 4, 0])
-    kv.allocate_slots(old, 3)
-    kv.free("old")  # its 2 blocks enter the queue first
-    kv.allocate_slots(new, 3)  # takes the never-used block, then old's tail block
+    kv.allocate_slots(_req("old", [1, 2]), 2)
+    kv.free("old")  # its cached block enters the eviction queue first
+    kv.allocate_slots(_req("new", [3, 4]), 2)  # a never-used block: nothing evicted yet
     kv.free("new")
-    kv.allocate_slots(_req("x", [9, 9]), 2)  # one block: the LRU one is old's cached head
+    kv.allocate_slots(_req("x", [9, 9, 9, 9]), 4)  # the last fresh block, then the LRU one
     assert kv.get_computed_blocks(_req("o2", [1, 2, 5]))[1] == 0, "old prefix evicted first"
     assert kv.get_computed_blocks(_req("n2", [3, 4, 5]))[1] == 2, "newer prefix still cached"
+
+
+def test_reuse_order_spare_then_fresh_then_cached() -> None:
+    """Freed blocks without a cached prefix come back before never-used ones (whose CPU pages
+    are not mapped yet), and never-used ones before evicting a cached prefix."""
+    kv = KVCacheManager(num_blocks=64, block_size=2)
+    a = kv.allocate_slots(_req("a", [1, 2, 3]), 3)  # a full cached block + a partial one
+    partial = a[1]
+    kv.free("a")
+    b = kv.allocate_slots(_req("b", [7]), 1)
+    assert b == [partial], "the freed partial block is reused first"
+    c = kv.allocate_slots(_req("c", [8, 8, 8]), 3)
+    assert a[0] not in c and max(c) == max(a) + 2, "then never-used ids, in order"
+    assert kv.get_computed_blocks(_req("a2", [1, 2, 5]))[1] == 2, "the cached prefix survives"
+    kv.check_invariants()
+
+
+def test_churn_without_caching_touches_only_what_is_live() -> None:
+    """Many short requests through a large pool: the ids ever handed out stay within the most
+    blocks live at once, so the pool's untouched pages stay unmapped."""
+    kv = KVCacheManager(num_blocks=10_000, block_size=4, enable_caching=False)
+    seen: set[int] = set()
+    for i in range(200):
+        for j in range(3):  # 3 live requests of 1..40 tokens
+            n = 1 + (i * 7 + j * 13) % 40
+            seen.update(kv.allocate_slots(_req(f"r{i}-{j}", list(range(n))), n))
+        for j in range(3):
+            kv.free(f"r{i}-{j}")
+    assert len(seen) <= 3 * 10 and max(seen) <= 30, sorted(seen)[-5:]
+    kv.check_invariants()
 
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "preempt"]),
