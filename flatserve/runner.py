@@ -81,8 +81,10 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, backend: str,
-                 graph_max_seqs: int = 0, max_model_len: int = 0, on_demand: bool = False) -> None:
+                 graph_max_seqs: int = 0, max_model_len: int = 0, on_demand: bool = False,
+                 greedy_head: nn.Module | None = None) -> None:
         self.model, self.cfg, self.block_size = model, cfg, block_size
+        self.greedy_head = greedy_head  # hidden [S', H] -> argmax tokens (model/greedy_head.py)
         self.device, self.dtype = device, dtype
         self.backend = get_backend(backend)
         # One allocation for the whole pool: [layers, K|V, blocks, block_size, Hkv, D]. The
@@ -112,10 +114,15 @@ class ModelRunner:
                 and self.graphs.bucket(S) is not None):
             self.num_forward_tokens += S
             return self.graphs.replay(batch.input_ids, batch.positions, batch.meta)  # [S, V]
+        return self.model.compute_logits(self.forward_hidden(batch))  # [S', V]
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: FlatBatch) -> torch.Tensor:
+        """The sampled rows' final hidden states [S', H]."""
         with forward_context(batch.meta):
             hidden = self.model(batch.input_ids, batch.positions)  # [T, H]
         self.num_forward_tokens += batch.input_ids.shape[0]
-        return self.model.compute_logits(hidden[batch.logits_index])  # [S', V]
+        return hidden[batch.logits_index]
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, sampler: Sampler, prev: InFlight | None = None
@@ -129,12 +136,17 @@ class ModelRunner:
             src = dev.to_device(torch.tensor(rows, dtype=torch.int64), self.device)
             dst = dev.to_device(torch.tensor(batch.pending_index, dtype=torch.int64), self.device)
             batch.input_ids[dst] = prev.tokens[src]
-        logits = self.forward_logits(batch)
         if not batch.groups:
+            self.forward_hidden(batch)  # prompt chunks that sample nothing: KV writes only
             return None
         rows = expand(batch.groups)
         st = sampler.prepare(rows, self.device)
-        tokens, accepted, logprobs = sampler.sample(logits, rows, st)
+        if self.greedy_head is not None and sampler.argmax_only(rows, st):
+            tokens = self.greedy_head(self.forward_hidden(batch))  # [R], no [R, V] logits
+            accepted = None if st.draft is None else tokens == st.draft
+            logprobs: list[Logprobs | None] = [None] * len(rows)
+        else:
+            tokens, accepted, logprobs = sampler.sample(self.forward_logits(batch), rows, st)
         # The step's one device->host copy, waited for in `collect`.
         host, wait = dev.copy_to_host_async(tokens if accepted is None
                                             else torch.stack([tokens, accepted.long()]))

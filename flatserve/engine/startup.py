@@ -167,6 +167,8 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
         weights = _quantize(model, device)
     if gemm != "torch":
         weights += _pack(model, device, gemm, cfg.copy_tied_lm_head)
+    greedy = _greedy_head(model, mcfg, gemm) if cfg.greedy_int8_head else None
+    weights += greedy.nbytes if greedy is not None else 0
     draft = _load_draft(cfg, mcfg, dtype, device, gemm)
     ops.enable(model, fused, backend)
     if draft:
@@ -203,7 +205,8 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
                 r.build(budget.max_model_len + 1)
     graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs
     runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend,
-                         graph_max_seqs=graphs, max_model_len=budget.max_model_len, on_demand=True)
+                         graph_max_seqs=graphs, max_model_len=budget.max_model_len, on_demand=True,
+                         greedy_head=greedy)
     draft_runner = None if draft is None else ModelRunner(
         draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend,
         on_demand=True)
@@ -269,6 +272,19 @@ def _pack(model: torch.nn.Module, device: torch.device, gemm: str, copy_tied: bo
     added = amx.pack_linears(model, copy_tied) if gemm == "amx" else onednn.pack_linears(model)
     dev.release_freed_memory(device)
     return added
+
+
+def _greedy_head(model: torch.nn.Module, mcfg: ModelConfig, gemm: str) -> torch.nn.Module | None:
+    """The int8-bounded greedy head where its argmax is the model's: an AMX LM head without
+    bias whose logits are used as they are (no softcap); else None."""
+    from flatserve.model import amx
+    from flatserve.model.greedy_head import Int8GreedyHead
+
+    head = getattr(model, "lm_head", None)
+    if gemm != "amx" or not isinstance(head, amx.AMXLinear) or head.bias.numel() \
+            or mcfg.final_logit_softcap is not None:
+        return None
+    return Int8GreedyHead(head)
 
 
 def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,

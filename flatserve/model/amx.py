@@ -67,6 +67,24 @@ class AMXLinear(nn.Module):
                            .permute(0, 3, 1, 4, 2, 5).contiguous())
         self.bias = _EMPTY if bias is None else bias.detach().to(torch.bfloat16).contiguous()
 
+    @property
+    def ext(self):  # noqa: ANN201 - the built extension module
+        return self._ext
+
+    def plain_weight(self) -> torch.Tensor:
+        """W [N, K]: the weight itself (plain) or an unpacked copy (packed)."""
+        if self.plain:
+            return self.weight
+        n, k = self.out_features, self.in_features
+        return self.packed.permute(0, 2, 4, 1, 3, 5).reshape(n, k)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """W[idx] [U, K], contiguous."""
+        if self.plain:
+            return self.weight.index_select(0, idx)
+        g, j, c = idx // 64, idx % 64 // 16, idx % 16
+        return self.packed[g, :, j, :, c, :].reshape(idx.numel(), self.in_features)  # [U, K/32, 16, 2]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)

@@ -15,6 +15,8 @@
 
 #include "amx_tiles.h"
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -222,6 +224,118 @@ void plain_2x2(const Problem& p, const char* xt, int64_t g0, int64_t g1) {
       }
     }
 }
+
+// x [M, K] bf16 -> x^T as B tiles, [token block][K/32][16 k pairs][16 tokens] u32 pairs, zero
+// past M, in `buf` (64-byte aligned; TB token blocks of 16).
+const char* pack_xt(const torch::Tensor& x, int64_t TB, std::vector<uint32_t>& buf) {
+  const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
+  buf.assign(TB * KB * 256 + 16, 0u);
+  uint32_t* xt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  const torch::Tensor xs = x.contiguous();
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xs.data_ptr());
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t kb = 0; kb < KB; ++kb)
+      for (int64_t q = 0; q < 16; ++q)
+        xt[((t / 16) * KB + kb) * 256 + q * 16 + t % 16] = x32[t * (K / 2) + kb * 16 + q];
+  return reinterpret_cast<const char*>(xt);
+}
+
+// ---- Exact greedy over a 7-bit copy of a plain weight (flatserve/model/greedy_head.py). ----
+// Each W row n is held as bytes u[n] = q[n] + 64 with w ~= s[n] q[n], |q| <= 63, and per x row t
+// s[n] (x_t . (u[n] + 128) - 192 sum(x_t)) is within |x_t|_1 c[n] of what the bf16 kernel
+// computes for W row n (c: the quantization error plus the fp32 rounding, from the Python side).
+// The kernel streams the bytes (half the bf16 head's), laid out [N/64][K/32][64 rows][32 k] so
+// that each 64-row group is one contiguous stream, turns each 2 KB piece into bf16 in L1 with
+// one zero-extend and one OR (0x43uu is the bf16 of 128 + u for u < 128: why 7 bits, not 8),
+// and runs plain_1x4's tile products. Per token it keeps the best lower bound
+// and every row whose upper bound reaches it; rows below the final best lower bound by more
+// than the bf16 rounding of the logits cannot be, or tie with, the bf16 head's argmax.
+// Into L2, 40 KB ahead (a group at K = 640): of T0 at 4-16 KB and T1 at 16-80 KB, the best on
+// the 262k x 640 head, ~5.5-6 ms at 16 rows against 9.2-10.6 for T0 (scratch runs; the rows'
+// own layout with plain_1x4's next-group prefetch: ~8-9 ms).
+constexpr int64_t kGreedyPrefetch = 40 * 1024;
+
+struct Cand {
+  int32_t n;
+  float upper;
+};
+
+struct GreedyPart {  // one thread's share of the rows
+  float best[16];
+  std::vector<Cand> cand[16];
+};
+
+// Below `lo` by this much, a value's bf16 rounding is below lo's: 2^-6 of |lo| is at least two
+// bf16 ulps at lo's magnitude (8 significant bits), one more for a crossing of a power of two.
+inline float tie_margin(float lo) { return std::fabs(lo) * 0x1p-6f + 1e-30f; }
+inline __m512 tie_margin(__m512 lo) {
+  return _mm512_fmadd_ps(_mm512_abs_ps(lo), _mm512_set1_ps(0x1p-6f), _mm512_set1_ps(1e-30f));
+}
+
+// 64 rows x 32 k of bytes u, contiguous [64][32] -> bf16 128 + u, [64][32] at `a`.
+inline void u7_piece_to_bf16(const uint8_t* w, char* a) {
+  const __m512i exp = _mm512_set1_epi16(0x4300);  // bf16 128.0: u fills the 7 mantissa bits
+  for (int r = 0; r < 64; r += 2) {
+    const __m512i two = _mm512_loadu_si512(w + r * 32);  // rows r, r + 1
+    _mm512_store_si512(a + r * 64, _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(two)), exp));
+    _mm512_store_si512(a + r * 64 + 64, _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(two, 1)), exp));
+  }
+}
+
+void greedy_rows(const uint8_t* wq, const float* s, const float* c, const float* xstat, const char* xt,
+                 int64_t M, int64_t K, int64_t g0, int64_t g1, GreedyPart& out) {
+  const int64_t KB = K / 32;
+  alignas(64) char a[64 * 64];
+  alignas(64) float acc[4][16][16];
+  const __mmask16 live = static_cast<__mmask16>((1u << M) - 1);  // token lanes in use
+  __m512 xabs = _mm512_setzero_ps(), xsum192 = _mm512_setzero_ps();  // per token lane
+  for (int64_t t = 0; t < M; ++t) {
+    xabs[t] = xstat[t];
+    xsum192[t] = 192.0f * xstat[M + t];
+  }
+  __m512 best = _mm512_set1_ps(-INFINITY), thr = best;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = wq + g * 64 * K;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint8_t* wk = wg + kb * 2048;  // [64 rows][32 k]
+      for (int b = 0; b < 2048; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + kGreedyPrefetch + b, _MM_HINT_T1);
+      u7_piece_to_bf16(wk, a);
+      _tile_loadd(6, xt + kb * 1024, 64);
+      _tile_loadd(4, a, 64);            _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, a + 16 * 64, 64);  _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(4, a + 32 * 64, 64);  _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(5, a + 48 * 64, 64);  _tile_dpbf16ps(3, 5, 6);
+    }
+    _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
+    _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+    // acc[j][w]: W row g*64 + 16j + w over the 16 token lanes. The threshold a row must reach
+    // is the best lower bound as of the previous group: lower than the final one, so it keeps
+    // a few more rows (filtered at the end) and costs no reduction.
+    for (int j = 0; j < 4; ++j)
+      for (int w = 0; w < 16; ++w) {
+        const int64_t n = g * 64 + j * 16 + w;
+        // x_t . (u + 128) - 192 sum(x_t) = x_t . q
+        const __m512 approx = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(acc[j][w]), xsum192),
+                                            _mm512_set1_ps(s[n]));
+        const __m512 bound = _mm512_mul_ps(xabs, _mm512_set1_ps(c[n]));
+        const __m512 upper = _mm512_add_ps(approx, bound);
+        best = _mm512_max_ps(best, _mm512_sub_ps(approx, bound));
+        uint32_t m = _mm512_mask_cmp_ps_mask(live, upper, thr, _CMP_GE_OQ);
+        if (!m) continue;
+        alignas(64) float up[16];
+        _mm512_store_ps(up, upper);
+        for (; m; m &= m - 1) {
+          const int t = __builtin_ctz(m);
+          out.cand[t].push_back({static_cast<int32_t>(n), up[t]});
+        }
+      }
+    thr = _mm512_sub_ps(best, tie_margin(best));
+  }
+  _mm512_storeu_ps(out.best, best);
+}
+
 #endif
 
 bool available() { return flatserve::amx_available(); }
@@ -241,20 +355,12 @@ torch::Tensor linear_plain(const torch::Tensor& x, const torch::Tensor& w, const
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef FLATSERVE_AMX
-  // x^T as B tiles, [token block][K/32][16 k pairs][16 tokens] u32 pairs, zero past M.
-  const int64_t KB = K / 32, TB = M <= 16 ? 1 : (M + 31) / 32 * 2;
-  std::vector<uint32_t> xt_buf(TB * KB * 256 + 16, 0u);
-  uint32_t* xt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(xt_buf.data()) + 63) & ~uintptr_t{63});
-  const torch::Tensor xs = x.contiguous();
-  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xs.data_ptr());
-  for (int64_t t = 0; t < M; ++t)
-    for (int64_t kb = 0; kb < KB; ++kb)
-      for (int64_t q = 0; q < 16; ++q)
-        xt[((t / 16) * KB + kb) * 256 + q * 16 + t % 16] = x32[t * (K / 2) + kb * 16 + q];
+  const int64_t TB = M <= 16 ? 1 : (M + 31) / 32 * 2;
+  std::vector<uint32_t> xt_buf;
+  const char* xtc = pack_xt(x, TB, xt_buf);
   const Problem p{nullptr, static_cast<const char*>(w.data_ptr()),
                   bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
                   M, N, K};
-  const char* xtc = reinterpret_cast<const char*>(xt);
   at::parallel_for(0, N / 64, 1, [&](int64_t g0, int64_t g1) {
     flatserve::load_tile_config();
     if (TB == 1) plain_1x4(p, xtc, g0, g1);
@@ -304,8 +410,56 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
 
 }  // namespace
 
+// x [M <= 16, K] bf16; wq [N, K] bytes q + 64 in the greedy layout above (N % 64 == 0,
+// K % 32 == 0); s, c [N] fp32;
+// xstat [2, M] fp32 (|x_t|_1 rounded up, sum(x_t)) -> (offsets [M + 1], rows [total]) int64:
+// per token, ascending W rows that may hold the bf16 head's argmax (the argmax among equals
+// included). A token with no candidate (NaN in x) gets none: the caller takes the full head.
+std::vector<torch::Tensor> greedy_candidates(const torch::Tensor& x, const torch::Tensor& wq,
+                                             const torch::Tensor& s, const torch::Tensor& c,
+                                             const torch::Tensor& xstat) {
+  TORCH_CHECK(available(), "AMX bf16 tiles are not available in this process");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) <= 16 &&
+              wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous() &&
+              wq.size(1) == x.size(1) && wq.size(0) % 64 == 0 && x.size(1) % 32 == 0,
+              "amx greedy_candidates: x [M <= 16, K] bf16, wq [N % 64, K % 32] uint8; got x ",
+              x.sizes(), ", wq ", wq.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = wq.size(0);
+  TORCH_CHECK(s.numel() == N && c.numel() == N && xstat.numel() == 2 * M && s.is_contiguous() &&
+              c.is_contiguous() && xstat.is_contiguous() && s.scalar_type() == at::kFloat &&
+              c.scalar_type() == at::kFloat && xstat.scalar_type() == at::kFloat,
+              "amx greedy_candidates: s, c [N] and xstat [2, M] fp32");
+  std::vector<int64_t> offsets(M + 1, 0), rows;
+#ifdef FLATSERVE_AMX
+  std::vector<uint32_t> xt_buf;
+  const char* xt = pack_xt(x, 1, xt_buf);
+  const int64_t G = N / 64, P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), G));
+  std::vector<GreedyPart> parts(P);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    flatserve::load_tile_config();
+    for (int64_t p = p0; p < p1; ++p)
+      greedy_rows(wq.data_ptr<uint8_t>(), s.data_ptr<float>(), c.data_ptr<float>(),
+                  xstat.data_ptr<float>(), xt, M, K, G * p / P, G * (p + 1) / P, parts[p]);
+    _tile_release();
+  });
+  for (int64_t t = 0; t < M; ++t) {
+    float best = -INFINITY;
+    for (const auto& part : parts) best = std::max(best, part.best[t]);
+    const float thr = best - tie_margin(best);
+    for (const auto& part : parts)  // parts and their lists run in ascending row order
+      for (const Cand& cd : part.cand[t])
+        if (cd.upper >= thr) rows.push_back(cd.n);
+    offsets[t + 1] = static_cast<int64_t>(rows.size());
+  }
+#endif
+  auto opt = torch::TensorOptions().dtype(torch::kInt64);
+  return {torch::tensor(offsets, opt), torch::tensor(rows, opt)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "AMX bf16 compiled in and tile state granted to this process");
   m.def("linear", &linear, "x [M, K] bf16 @ packed W (+ bias) -> [M, N] bf16");
   m.def("linear_plain", &linear_plain, "x [M, K] bf16 @ plain W [N, K]^T (+ bias) -> [M, N] bf16");
+  m.def("greedy_candidates", &greedy_candidates,
+        "rows of a 7-bit weight copy that may hold each x row's bf16 argmax -> (offsets, rows)");
 }

@@ -1,0 +1,85 @@
+"""The default model's LM head for greedy rows: bf16 head + argmax vs the bounded 7-bit greedy head.
+
+    .venv/bin/python benchmarks/cpu_greedy_head.py [--rows 1,4,16] [--reps 30]
+
+Real hidden states: the final-norm outputs of the benchmark's 16 prompts (benchmarks/offline_cpu.py)
+over 24 greedy steps. For each row count, the two paths alternate on the same inputs (median
+ms); the tokens must agree, and the candidate rows per token are reported (median / max).
+Floor: the bf16 head reads N x K x 2 bytes, the 7-bit one N x K + 8 N.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+
+
+def main() -> None:
+    from benchmarks.offline_cpu import make_prompts
+    from flatserve import LLM, SamplingParams
+    from flatserve import device as dev
+    from flatserve.model.greedy_head import x_stats
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--reps", type=int, default=30)
+    a = ap.parse_args()
+    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096)
+    model = llm.engine.runner.model
+    greedy = llm.engine.runner.greedy_head
+    assert greedy is not None, "needs the AMX path with greedy_int8_head on"
+    hidden: list[torch.Tensor] = []
+    orig = model.compute_logits
+
+    def keep(h: torch.Tensor) -> torch.Tensor:
+        hidden.append(h.detach().clone())
+        return orig(h)
+
+    greedy_call = greedy.forward
+
+    def keep_greedy(x: torch.Tensor) -> torch.Tensor:
+        hidden.append(x.detach().clone())
+        return greedy_call(x)
+
+    model.compute_logits, greedy.forward = keep, keep_greedy
+    llm.generate(make_prompts(16), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                 use_tqdm=False)
+    model.compute_logits, greedy.forward = orig, greedy_call
+    h = torch.cat(hidden)  # [R, K]
+    head = greedy.head
+    n, k = greedy.qweight.shape
+    print(f"{h.shape[0]} hidden rows; head {n} x {k}; bf16 reads {n * k * 2 / 1e6:.0f} MB, "
+          f"7-bit copy {(n * k + 12 * n) / 1e6:.0f} MB")
+    print("| rows | bf16 head + argmax ms | 7-bit greedy ms | ratio | its candidate kernel ms | "
+          "candidates median / max |")
+    print("|---|---|---|---|---|---|")
+    for m in (int(x) for x in a.rows.split(",")):
+        full_t, int8_t, kern_t, counts = [], [], [], []
+        for i in range(a.reps):
+            x = h[(i * m) % (h.shape[0] - m):][:m].contiguous()
+            t0 = time.perf_counter()
+            ref = dev.row_argmax(head(x))
+            t1 = time.perf_counter()
+            got = greedy(x)
+            t2 = time.perf_counter()
+            assert torch.equal(ref, got), (ref, got)
+            full_t.append(t1 - t0)
+            int8_t.append(t2 - t1)
+            t3 = time.perf_counter()
+            off, _ = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
+                                                x_stats(x))
+            kern_t.append(time.perf_counter() - t3)
+            counts += (off[1:] - off[:-1]).tolist()
+        f, g = statistics.median(full_t) * 1e3, statistics.median(int8_t) * 1e3
+        kt = statistics.median(kern_t) * 1e3
+        print(f"| {m} | {f:.2f} | {g:.2f} | {f / g:.2f}x | {kt:.2f} | {statistics.median(counts):.0f} / "
+              f"{max(counts)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Exact greedy decoding that reads half the LM head's bytes (CPU, AMX; `greedy_int8_head`).
+
+Why: at 16 requests the bf16 LM head of Gemma 3 270M (262k x 640, 335 MB) is ~13.7 ms of a
+~37 ms decode step, and a step cannot read it faster than DRAM does (~27 GB/s here). For greedy
+rows only the argmax matters, so the kernel streams a one-byte-per-weight copy instead (168 MB)
+with a bound per row on how far its estimate can be from the bf16 kernel's logit, and keeps the
+rows that could be the argmax (~55 of 262k per token for the default model:
+benchmarks/cpu_greedy_head.py). The bf16 kernel itself then computes those rows, so the token is
+the one `row_argmax(lm_head(x))` gives, ties included: the bounds are rigorous, not statistical.
+
+The copy is 7-bit (q in [-63, 63], stored as q + 64): the kernel turns a byte u into the bf16 of
+128 + u with one OR, where a full int8 needed four conversions per 16 weights and ran the
+kernel compute-bound (8.7 ms against ~6.3 for the bytes alone). 7 bits double the quantization
+error and with it the candidates; rescoring ~900 rows is cheap next to the bytes saved.
+
+Bound for W row n and x row t, w ~= s_n q_n (per-row symmetric, s_n = max|w_n| / 63):
+    |s_n (x . q_n) as the kernel computes it - the bf16 kernel's fp32 sum for row n| <= |x|_1 c_n,
+    c_n = max_k |w_nk - s_n q_nk|                    (quantization)
+        + s_n * 640 * gamma                          (fp32 rounding, below)
+gamma = 2K * 2^-24 over-covers one K-term fp32 sum (K 2^-24 to first order). The rounding
+terms, in units of s_n |x|_1 gamma: the kernel's sum of x (q + 192) (<= 255), 192 sum(x) (192),
+their difference (63) and the bf16 kernel's own sum (|w| <= 63 s_n: 63); 573 <= 640. The kernel
+keeps rows whose upper bound reaches the best lower bound less a bf16 tie margin
+(ops/csrc/amx_gemm_cpu.cpp, `greedy_candidates`).
+
+The copy costs memory (N x K bytes + 12 N: 171 MB for Gemma 3 270M), counted as weights; rows
+that need logits (sampling, penalties, logprobs) still read the bf16 head.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatserve import device as dev
+
+MAX_ROWS = 16  # one tile of tokens; verify steps with more rows take the bf16 head
+LEVELS = 63  # |q| <= 63: q + 64 fits the 7 mantissa bits of bf16(128 + u)
+
+
+def quantize_7bit(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (u = q + 64 [N, K] uint8, s [N] fp32, c [N] fp32 (module docstring)), in
+    chunks of rows: an fp32 copy of the 262k-row head alone would be 671 MB."""
+    n, k = w.shape
+    gamma = 2 * k * 2.0**-24
+    u = torch.empty(n, k, dtype=torch.uint8)
+    s = torch.empty(n, dtype=torch.float32)
+    c = torch.empty(n, dtype=torch.float32)
+    for i in range(0, n, chunk):
+        wf = w[i:i + chunk].float()
+        sc = wf.abs().amax(1).clamp(min=1e-30) / LEVELS
+        q = torch.round(wf / sc[:, None]).clamp_(-LEVELS, LEVELS)
+        u[i:i + chunk] = (q + 64).to(torch.uint8)
+        s[i:i + chunk] = sc
+        c[i:i + chunk] = (wf - q * sc[:, None]).abs().amax(1) + sc * (640 * gamma)
+    # Rounded up once more for the fp32 arithmetic of c itself and of |x|_1 c in the kernel.
+    return u, s, c * (1 + 2.0**-16)
+
+
+def x_stats(x: torch.Tensor) -> torch.Tensor:
+    """[2, M] fp32: |x_t|_1 rounded up for its own K-term sum, and sum(x_t)."""
+    xf = x.float()
+    return torch.stack([xf.abs().sum(1) * (1 + x.shape[1] * 2.0**-23), xf.sum(1)]).contiguous()
+
+
+class Int8GreedyHead(nn.Module):
+    """tokens = argmax over the vocabulary of `head(x)`: the model's LM head, an AMXLinear
+    (plain or packed) without bias, whose logits the model uses as they are (no softcap);
+    `head.rows(idx)` gives the bf16 rows the candidates are rescored with."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+        w = head.plain_weight()  # [N, K] bf16 (a view, or a transient unpacked copy)
+        u, s, c = quantize_7bit(w)
+        n, k = u.shape
+        # [N/64, K/32, 64, 32]: each 64-row group's 32-k pieces one contiguous stream
+        self.register_buffer("qweight", u.reshape(n // 64, 64, k // 32, 32).transpose(1, 2)
+                             .contiguous().reshape(n, k))  # uint8: q + 64
+        self.register_buffer("scales", s)  # [N] fp32
+        self.register_buffer("bounds", c)  # [N] fp32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M] int64
+        if x.shape[0] > MAX_ROWS or x.shape[0] == 0:
+            return dev.row_argmax(self.head(x))
+        x = x.contiguous()
+        offsets, cand = self.head.ext.greedy_candidates(x, self.qweight, self.scales, self.bounds,
+                                                        x_stats(x))
+        counts = offsets[1:] - offsets[:-1]
+        if cand.numel() == 0 or bool((counts == 0).any()):  # NaN in x: let the full head decide
+            return dev.row_argmax(self.head(x))
+        union = torch.unique(cand)  # ascending
+        pad = (-union.numel()) % 64  # the kernel takes whole 64-row groups
+        idx = torch.cat([union, union[-1:].expand(pad)]) if pad else union
+        exact = self.head.ext.linear_plain(x, self.head.rows(idx), torch.empty(0, dtype=x.dtype))
+        # The union is ascending and holds every row that can reach each token's maximum, so the
+        # first maximum here is the first over the vocabulary; padding only repeats the last row
+        # after its own place (clamped back onto it).
+        pos = dev.row_argmax(exact)  # [M] into idx
+        return union[pos.clamp(max=union.numel() - 1)]

@@ -1,0 +1,118 @@
+"""The bounded 7-bit greedy head (flatserve/model/greedy_head.py): its token is the bf16 AMX head's
+`row_argmax` exactly (ties to the first index included) on fresh random heads, plain and packed;
+its error bound holds against a float64 reference; bad rows fall back; and whole-model greedy
+generation is token-identical with the head on and off."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flatserve import device as dev
+from flatserve.model import amx
+from flatserve.model.greedy_head import Int8GreedyHead, quantize_7bit, x_stats
+
+needs_amx = pytest.mark.skipif(not amx.available(torch.bfloat16),
+                               reason="no AMX bf16 (CPU, kernel build or OS grant) here")
+
+
+def _head(n: int, k: int, plain: bool, dup: list[tuple[int, int]]) -> amx.AMXLinear:
+    w = (torch.randn(n, k) * torch.rand(n, 1) * 0.1).bfloat16()
+    for a, b in dup:  # exact ties: the first index must win (row b at the largest scale)
+        w[b] = (torch.randn(k) * 0.1).bfloat16()
+        w[a] = w[b]
+    return amx.AMXLinear(w, None, plain=plain)
+
+
+@needs_amx
+@pytest.mark.parametrize("plain", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_tokens_equal_the_bf16_head_argmax(plain: bool, rows: int) -> None:
+    n = 64 * random.randint(8, 200)
+    k = 32 * random.choice([3, 20])  # an odd number of k steps, and the default model's 640
+    a, b = sorted(random.sample(range(n), 2))
+    head = _head(n, k, plain, [(a, b)])
+    greedy = Int8GreedyHead(head)
+    x = torch.randn(rows, k)
+    x[:, random.randrange(k)] *= 30  # an outlier channel, as real hidden states have
+    x[0] = head.plain_weight()[b].float() * 40  # row 0's best: rows a and b tie exactly
+    x = x.bfloat16()
+    ref = dev.row_argmax(head(x))
+    assert ref[0].item() == a
+    got = greedy(x)
+    assert torch.equal(got, ref), (got, ref)
+
+
+@needs_amx
+def test_ties_one_bf16_step_apart() -> None:
+    """Rows that differ from the winner by one bf16 ulp in one weight: logits equal or one
+    rounding step apart after the head's bf16 rounding; the first maximum must still win."""
+    n, k = 64 * 40, 640
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    x = (w[700].float() * 25).bfloat16()[None].repeat(4, 1)
+    x[1:] += (torch.randn(3, k) * 0.5).bfloat16()
+    for i, row in enumerate([10, 300, 1500, 2500]):  # copies of row 700, nudged by one ulp
+        w[row] = w[700]
+        j = i * 37
+        w[row, j] = torch.nextafter(w[row, j].float(), torch.tensor(1e9)).bfloat16() \
+            if w[row, j] > 0 else w[row, j]
+    head = amx.AMXLinear(w, None, plain=True)
+    assert torch.equal(Int8GreedyHead(head)(x), dev.row_argmax(head(x)))
+
+
+@needs_amx
+def test_bound_holds_against_float64() -> None:
+    """|s (x . q) - x . w| <= |x|_1 c in float64 (the quantization part of the bound), and each
+    token's candidates hold every row at the bf16 head's maximum."""
+    n, k = 64 * 50, 640
+    w = (torch.randn(n, k) * torch.rand(n, 1) * 0.2).bfloat16()
+    u, s, c = quantize_7bit(w)
+    assert int(u.min()) >= 1 and int(u.max()) <= 127
+    x = (torch.randn(8, k) * 3).bfloat16()
+    q = u.double() - 64
+    est = (x.double() @ q.t()) * s.double()  # [8, N]
+    exact = x.double() @ w.double().t()
+    bound = x.double().abs().sum(1, keepdim=True) * c.double()
+    assert ((est - exact).abs() <= bound).all()
+    head = amx.AMXLinear(w, None, plain=True)
+    greedy = Int8GreedyHead(head)
+    off, cand = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds, x_stats(x))
+    logits = head(x).float()
+    for t in range(8):
+        mine = set(cand[off[t]:off[t + 1]].tolist())
+        top = torch.nonzero(logits[t] == logits[t].max()).flatten().tolist()
+        assert set(top) <= mine  # every maximum among the candidates
+        assert sorted(mine) == cand[off[t]:off[t + 1]].tolist()  # ascending, no repeats
+
+
+@needs_amx
+def test_nan_and_many_rows_take_the_full_head() -> None:
+    head = _head(64 * 20, 64, True, [])
+    greedy = Int8GreedyHead(head)
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 5] = float("nan")
+    assert torch.equal(greedy(x), dev.row_argmax(head(x)))
+    many = torch.randn(40, 64).bfloat16()  # past MAX_ROWS: the bf16 head decides
+    assert torch.equal(greedy(many), dev.row_argmax(head(many)))
+
+
+@needs_amx
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])  # tied (plain) / untied (packed) head
+def test_greedy_generation_identical_with_the_head_on_and_off(family: str, tmp_path) -> None:
+    from flatserve import LLM, SamplingParams
+    from tests.conftest import build_checkpoint
+
+    path, _ = build_checkpoint(family, tmp_path, seed=random.randrange(1000))
+    rng = random.Random()
+    prompts = [{"prompt_token_ids": [rng.randrange(4, 500) for _ in range(rng.randint(1, 150))]}
+               for _ in range(8)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    out = {}
+    for on in (True, False):
+        llm = LLM(model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=256,
+                  greedy_int8_head=on)
+        assert (llm.engine.runner.greedy_head is not None) == on
+        out[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        del llm
+    assert out[True] == out[False]
