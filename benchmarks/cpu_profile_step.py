@@ -127,6 +127,9 @@ def _time_kernels() -> dict[str, float]:
     wrap(AMXLinear, linear)
     wrap(OneDNNLinear, linear)
     wrap(CpuAttentionBackend, lambda m: "attention (KV write + kernel)")
+    from flatserve.model.greedy_head import Int8GreedyHead
+
+    wrap(Int8GreedyHead, lambda m: "LM head, greedy (7-bit copy)")
     # The fused element-wise ops and the KV write, looked up at call time (enable() and the
     # backend bind these module attributes after this runs).
     from flatserve.attention import cpu_backend
