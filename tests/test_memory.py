@@ -168,20 +168,32 @@ def test_keep_freed_heap_stops_per_step_page_faults() -> None:
     assert kept < plain // 10, (kept, plain)
 
 
+_ON_DEMAND_CHILD = """
+import torch
+from flatserve import device as dev
+MiB = 2**20
+rss0 = dev.process_rss()
+t = dev.zeros_on_demand((2, 1024, 256, 1024), torch.bfloat16, torch.device("cpu"))  # 1 GiB
+assert t.shape == (2, 1024, 256, 1024) and t.dtype == torch.bfloat16 and t.is_contiguous()
+print(dev.process_rss() - rss0)
+part = torch.randn(64, 256, 1024, dtype=torch.bfloat16)  # 32 MiB
+rss1 = dev.process_rss()
+t[1, 100:164] = part
+assert torch.equal(t[1, 100:164], part)
+print(dev.process_rss() - rss1)
+# Untouched pages read as zeros. (Reading them maps pages on some kernels, this VM's included;
+# the engine reads a block's keys only after writing them.)
+assert t[0, 3:7].abs().max().item() == 0 and t[1, 164:170].abs().max().item() == 0
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mmap accounting")
 def test_zeros_on_demand_maps_pages_as_written() -> None:
-    """The KV pool's allocation: reads as zeros, keeps what is written, and holds resident only
-    the pages written so far (torch.zeros of the same size would fault in all 1 GiB)."""
-    import torch
-
-    from flatserve import device as dev
-
-    rss0 = dev.process_rss()
-    t = dev.zeros_on_demand((2, 1024, 256, 1024), torch.bfloat16, torch.device("cpu"))  # 1 GiB
-    assert t.shape == (2, 1024, 256, 1024) and t.dtype == torch.bfloat16 and t.is_contiguous()
-    assert dev.process_rss() - rss0 < 64 * MiB
-    part = torch.randn(64, 256, 1024).to(torch.bfloat16)  # 32 MiB
-    t[1, 100:164] = part
-    assert torch.equal(t[1, 100:164], part)
-    assert dev.process_rss() - rss0 < 160 * MiB  # the written 32 MiB (+ part itself)
-    assert t[0, 3:7].abs().sum().item() == 0 and t[1, 500:600].abs().sum().item() == 0
-    assert dev.process_rss() - rss0 < 192 * MiB  # reading zero pages maps no new memory
+    """The KV pool's allocation, in a fresh process (a test before it may keep freed heap):
+    reads as zeros, keeps what is written, and holds resident only the pages written so far
+    (torch.zeros of the same size faults in all 1 GiB)."""
+    out = subprocess.run([sys.executable, "-c", _ON_DEMAND_CHILD], capture_output=True,
+                         text=True, check=True).stdout.split()
+    alloc, written = (int(x) for x in out)
+    assert alloc < 16 * MiB, alloc
+    assert 24 * MiB < written < 48 * MiB, written  # the 32 MiB written, nothing else
