@@ -275,7 +275,7 @@ def _pack(model: torch.nn.Module, device: torch.device, gemm: str, copy_tied: bo
 
 
 def _greedy_head(model: torch.nn.Module, mcfg: ModelConfig, gemm: str) -> torch.nn.Module | None:
-    """The int8-bounded greedy head where its argmax is the model's: an AMX LM head without
+    """The 7-bit bounded greedy head where its argmax is the model's: an AMX LM head without
     bias whose logits are used as they are (no softcap); else None."""
     from flatserve.model import amx
     from flatserve.model.greedy_head import Int8GreedyHead
