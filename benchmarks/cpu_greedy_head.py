@@ -71,7 +71,7 @@ def main() -> None:
             full_t.append(t1 - t0)
             int8_t.append(t2 - t1)
             t3 = time.perf_counter()
-            off, _ = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
+            off, _, _ = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
                                                 x_stats(x))
             kern_t.append(time.perf_counter() - t3)
             counts += (off[1:] - off[:-1]).tolist()

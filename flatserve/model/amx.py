@@ -81,7 +81,7 @@ class AMXLinear(nn.Module):
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """W[idx] [U, K], contiguous."""
         if self.plain:
-            return self.weight.index_select(0, idx)
+            return self._ext.gather_rows(self.weight, idx)
         g, j, c = idx // 64, idx % 64 // 16, idx % 16
         return self.packed[g, :, j, :, c, :].reshape(idx.numel(), self.in_features)  # [U, K/32, 16, 2]
 

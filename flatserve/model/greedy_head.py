@@ -87,17 +87,15 @@ class Int8GreedyHead(nn.Module):
         if x.shape[0] > MAX_ROWS or x.shape[0] == 0:
             return dev.row_argmax(self.head(x))
         x = x.contiguous()
-        offsets, cand = self.head.ext.greedy_candidates(x, self.qweight, self.scales, self.bounds,
-                                                        x_stats(x))
-        counts = offsets[1:] - offsets[:-1]
-        if cand.numel() == 0 or bool((counts == 0).any()):  # NaN in x: let the full head decide
+        offsets, _, union = self.head.ext.greedy_candidates(x, self.qweight, self.scales,
+                                                            self.bounds, x_stats(x))
+        if bool((offsets[1:] == offsets[:-1]).any()):  # NaN in x: let the full head decide
             return dev.row_argmax(self.head(x))
-        union = torch.unique(cand)  # ascending
         pad = (-union.numel()) % 64  # the kernel takes whole 64-row groups
-        idx = torch.cat([union, union[-1:].expand(pad)]) if pad else union
+        idx = torch.cat([union, union[-1:].expand(pad)]) if pad else union  # ascending
         exact = self.head.ext.linear_plain(x, self.head.rows(idx), torch.empty(0, dtype=x.dtype))
-        # The union is ascending and holds every row that can reach each token's maximum, so the
-        # first maximum here is the first over the vocabulary; padding only repeats the last row
-        # after its own place (clamped back onto it).
+        # The union holds every row that can reach each token's maximum, so the first maximum
+        # here is the first over the vocabulary; padding only repeats the last row after its own
+        # place (clamped back onto it).
         pos = dev.row_argmax(exact)  # [M] into idx
         return union[pos.clamp(max=union.numel() - 1)]

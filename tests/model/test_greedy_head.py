@@ -77,13 +77,25 @@ def test_bound_holds_against_float64() -> None:
     assert ((est - exact).abs() <= bound).all()
     head = amx.AMXLinear(w, None, plain=True)
     greedy = Int8GreedyHead(head)
-    off, cand = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds, x_stats(x))
+    off, cand, union = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
+                                                  x_stats(x))
+    assert union.tolist() == sorted(set(cand.tolist()))
     logits = head(x).float()
     for t in range(8):
         mine = set(cand[off[t]:off[t + 1]].tolist())
         top = torch.nonzero(logits[t] == logits[t].max()).flatten().tolist()
         assert set(top) <= mine  # every maximum among the candidates
         assert sorted(mine) == cand[off[t]:off[t + 1]].tolist()  # ascending, no repeats
+
+
+@needs_amx
+def test_gather_rows_matches_indexing() -> None:
+    w = torch.randn(64 * 30, 96).bfloat16()
+    idx = torch.randint(0, w.shape[0], (random.randint(1, 300),))
+    ext = amx.AMXLinear(w, None, plain=True).ext
+    assert torch.equal(ext.gather_rows(w, idx), w[idx])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.gather_rows(w, torch.tensor([w.shape[0]]))
 
 
 @needs_amx
