@@ -2,16 +2,17 @@
 
 Why: at 16 requests the bf16 LM head of Gemma 3 270M (262k x 640, 335 MB) is ~13.7 ms of a
 ~37 ms decode step, and a step cannot read it faster than DRAM does (~27 GB/s here). For greedy
-rows only the argmax matters, so the kernel streams a one-byte-per-weight copy instead (168 MB)
+rows only the argmax matters, so the kernel streams a one-byte-per-weight copy instead (171 MB)
 with a bound per row on how far its estimate can be from the bf16 kernel's logit, and keeps the
-rows that could be the argmax (~55 of 262k per token for the default model:
+rows that could be the argmax (~200 of 262k per token for the default model:
 benchmarks/cpu_greedy_head.py). The bf16 kernel itself then computes those rows, so the token is
 the one `row_argmax(lm_head(x))` gives, ties included: the bounds are rigorous, not statistical.
 
 The copy is 7-bit (q in [-63, 63], stored as q + 64): the kernel turns a byte u into the bf16 of
-128 + u with one OR, where a full int8 needed four conversions per 16 weights and ran the
-kernel compute-bound (8.7 ms against ~6.3 for the bytes alone). 7 bits double the quantization
-error and with it the candidates; rescoring ~900 rows is cheap next to the bytes saved.
+128 + u with one OR, where a full int8 needs four conversions per 16 weights (an int8 version,
+rows in their own layout, ran 8.7 ms against ~6.3 for the bytes alone). 7 bits double the
+quantization error and with it the candidates (~53 -> ~200 a token); gathering and rescoring a
+few hundred to ~2,000 rows takes 0.1-0.4 ms a step.
 
 Bound for W row n and x row t, w ~= s_n q_n (per-row symmetric, s_n = max|w_n| / 63):
     |s_n (x . q_n) as the kernel computes it - the bf16 kernel's fp32 sum for row n| <= |x|_1 c_n,
@@ -19,7 +20,9 @@ Bound for W row n and x row t, w ~= s_n q_n (per-row symmetric, s_n = max|w_n| /
         + s_n * 640 * gamma                          (fp32 rounding, below)
 gamma = 2K * 2^-24 over-covers one K-term fp32 sum (K 2^-24 to first order). The rounding
 terms, in units of s_n |x|_1 gamma: the kernel's sum of x (q + 192) (<= 255), 192 sum(x) (192),
-their difference (63) and the bf16 kernel's own sum (|w| <= 63 s_n: 63); 573 <= 640. The kernel
+their difference (63) and the bf16 kernel's own sum (|w| <= 63 s_n: 63); 573 <= 640. The 67 spare
+units (>= 67 K 2^-23 s_n |x|_1) cover the rest: fp32 rounding of c itself (|q s - w| <= 63 s 2^-24
+off) and of the kernel's approx +- bound (2^-24 of |approx| <= 63 s_n |x|_1, twice). The kernel
 keeps rows whose upper bound reaches the best lower bound less a bf16 tie margin
 (ops/csrc/amx_gemm_cpu.cpp, `greedy_candidates`).
 
@@ -34,6 +37,7 @@ from torch import nn
 from flatserve import device as dev
 
 MAX_ROWS = 16  # one tile of tokens; verify steps with more rows take the bf16 head
+UNION_CAP = 8  # past N / UNION_CAP candidate rows, gathering them costs more than the head
 LEVELS = 63  # |q| <= 63: q + 64 fits the 7 mantissa bits of bf16(128 + u)
 
 
@@ -78,19 +82,23 @@ class Int8GreedyHead(nn.Module):
                              .contiguous().reshape(n, k))  # uint8: q + 64
         self.register_buffer("scales", s)  # [N] fp32
         self.register_buffer("bounds", c)  # [N] fp32
+        self.calls = self.fallbacks = 0  # calls, and those the bf16 head answered
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M] int64
+        self.calls += 1
         if x.shape[0] > MAX_ROWS or x.shape[0] == 0:
-            return dev.row_argmax(self.head(x))
+            return self._full(x)
         x = x.contiguous()
         offsets, _, union = self.head.ext.greedy_candidates(x, self.qweight, self.scales,
                                                             self.bounds, x_stats(x))
-        if bool((offsets[1:] == offsets[:-1]).any()):  # NaN in x: let the full head decide
-            return dev.row_argmax(self.head(x))
+        # No candidate (NaN in x), or so many that gathering them costs more than the head
+        # (near-uniform logits, e.g. untrained weights): let the full head decide.
+        if bool((offsets[1:] == offsets[:-1]).any()) or union.numel() > self.qweight.shape[0] // UNION_CAP:
+            return self._full(x)
         pad = (-union.numel()) % 64  # the kernel takes whole 64-row groups
         idx = torch.cat([union, union[-1:].expand(pad)]) if pad else union  # ascending
         exact = self.head.ext.linear_plain(x, self.head.rows(idx), torch.empty(0, dtype=x.dtype))
@@ -99,3 +107,7 @@ class Int8GreedyHead(nn.Module):
         # place (clamped back onto it).
         pos = dev.row_argmax(exact)  # [M] into idx
         return union[pos.clamp(max=union.numel() - 1)]
+
+    def _full(self, x: torch.Tensor) -> torch.Tensor:
+        self.fallbacks += 1
+        return dev.row_argmax(self.head(x))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flatserve import device as dev
-from flatserve.model import amx
+from flatserve.model import amx, greedy_head
 from flatserve.model.greedy_head import Int8GreedyHead, quantize_7bit, x_stats
 
 needs_amx = pytest.mark.skipif(not amx.available(torch.bfloat16),
@@ -28,7 +28,8 @@ def _head(n: int, k: int, plain: bool, dup: list[tuple[int, int]]) -> amx.AMXLin
 @needs_amx
 @pytest.mark.parametrize("plain", [True, False])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_tokens_equal_the_bf16_head_argmax(plain: bool, rows: int) -> None:
+def test_tokens_equal_the_bf16_head_argmax(plain: bool, rows: int, monkeypatch) -> None:
+    monkeypatch.setattr(greedy_head, "UNION_CAP", 1)  # never skip the bounded path here
     n = 64 * random.randint(8, 200)
     k = 32 * random.choice([3, 20])  # an odd number of k steps, and the default model's 640
     a, b = sorted(random.sample(range(n), 2))
@@ -42,10 +43,11 @@ def test_tokens_equal_the_bf16_head_argmax(plain: bool, rows: int) -> None:
     assert ref[0].item() == a
     got = greedy(x)
     assert torch.equal(got, ref), (got, ref)
+    assert greedy.calls == 1 and greedy.fallbacks == 0
 
 
 @needs_amx
-def test_ties_one_bf16_step_apart() -> None:
+def test_ties_one_bf16_step_apart(monkeypatch) -> None:
     """Rows that differ from the winner by one bf16 ulp in one weight: logits equal or one
     rounding step apart after the head's bf16 rounding; the first maximum must still win."""
     n, k = 64 * 40, 640
@@ -57,8 +59,10 @@ def test_ties_one_bf16_step_apart() -> None:
         j = i * 37
         w[row, j] = torch.nextafter(w[row, j].float(), torch.tensor(1e9)).bfloat16() \
             if w[row, j] > 0 else w[row, j]
+    monkeypatch.setattr(greedy_head, "UNION_CAP", 1)
     head = amx.AMXLinear(w, None, plain=True)
-    assert torch.equal(Int8GreedyHead(head)(x), dev.row_argmax(head(x)))
+    greedy = Int8GreedyHead(head)
+    assert torch.equal(greedy(x), dev.row_argmax(head(x))) and greedy.fallbacks == 0
 
 
 @needs_amx
@@ -104,14 +108,17 @@ def test_nan_and_many_rows_take_the_full_head() -> None:
     greedy = Int8GreedyHead(head)
     x = torch.randn(3, 64).bfloat16()
     x[1, 5] = float("nan")
-    assert torch.equal(greedy(x), dev.row_argmax(head(x)))
+    assert torch.equal(greedy(x), dev.row_argmax(head(x))) and greedy.fallbacks == 1
     many = torch.randn(40, 64).bfloat16()  # past MAX_ROWS: the bf16 head decides
-    assert torch.equal(greedy(many), dev.row_argmax(head(many)))
+    assert torch.equal(greedy(many), dev.row_argmax(head(many))) and greedy.fallbacks == 2
+    flat = torch.zeros(2, 64).bfloat16()  # every row ties: too many candidates to gather
+    assert torch.equal(greedy(flat), dev.row_argmax(head(flat))) and greedy.fallbacks == 3
 
 
 @needs_amx
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])  # tied (plain) / untied (packed) head
-def test_greedy_generation_identical_with_the_head_on_and_off(family: str, tmp_path) -> None:
+def test_greedy_generation_identical_with_the_head_on_and_off(family: str, tmp_path,
+                                                              monkeypatch) -> None:
     from flatserve import LLM, SamplingParams
     from tests.conftest import build_checkpoint
 
@@ -120,11 +127,17 @@ def test_greedy_generation_identical_with_the_head_on_and_off(family: str, tmp_p
     prompts = [{"prompt_token_ids": [rng.randrange(4, 500) for _ in range(rng.randint(1, 150))]}
                for _ in range(8)]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    # A 512-token vocabulary of random weights: many near-equal logits, so candidate sets that
+    # the cap would send to the bf16 head; the test wants the bounded path.
+    monkeypatch.setattr(greedy_head, "UNION_CAP", 1)
     out = {}
     for on in (True, False):
         llm = LLM(model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=256,
                   greedy_int8_head=on)
-        assert (llm.engine.runner.greedy_head is not None) == on
+        head = llm.engine.runner.greedy_head
+        assert (head is not None) == on
         out[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        if on:  # every sampling step went through it, and none fell back to the bf16 head
+            assert head.calls >= 24 and head.fallbacks == 0
         del llm
     assert out[True] == out[False]
