@@ -97,7 +97,8 @@ class Int8GreedyHead(nn.Module):
                                                             self.bounds, x_stats(x))
         # No candidate (NaN in x), or so many that gathering them costs more than the head
         # (near-uniform logits, e.g. untrained weights): let the full head decide.
-        if bool((offsets[1:] == offsets[:-1]).any()) or union.numel() > self.qweight.shape[0] // UNION_CAP:
+        empty = bool((offsets[1:] == offsets[:-1]).any())
+        if empty or union.numel() > self.qweight.shape[0] // UNION_CAP:
             return self._full(x)
         pad = (-union.numel()) % 64  # the kernel takes whole 64-row groups
         idx = torch.cat([union, union[-1:].expand(pad)]) if pad else union  # ascending
