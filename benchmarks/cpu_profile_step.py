@@ -121,8 +121,12 @@ def _time_kernels() -> dict[str, float]:
 
         cls.forward = forward
 
+    in_greedy = [False]  # the greedy head's fall-backs call the bf16 head inside it
+
     def linear(m) -> str:
-        return "LM head" if m.out_features > 100_000 else f"linear {m.out_features} x {m.in_features}"
+        if m.out_features <= 100_000:
+            return f"linear {m.out_features} x {m.in_features}"
+        return "  of which bf16 head (greedy fall-back)" if in_greedy[0] else "LM head"
 
     wrap(AMXLinear, linear)
     wrap(OneDNNLinear, linear)
@@ -130,6 +134,16 @@ def _time_kernels() -> dict[str, float]:
     from flatserve.model.greedy_head import Int8GreedyHead
 
     wrap(Int8GreedyHead, lambda m: "LM head, greedy (7-bit copy)")
+    inner_greedy = Int8GreedyHead.forward  # the timed wrapper, flagged while it runs
+
+    def greedy_forward(self, x):
+        in_greedy[0] = True
+        try:
+            return inner_greedy(self, x)
+        finally:
+            in_greedy[0] = False
+
+    Int8GreedyHead.forward = greedy_forward
     # The fused element-wise ops and the KV write, looked up at call time (enable() and the
     # backend bind these module attributes after this runs).
     from flatserve.attention import cpu_backend
