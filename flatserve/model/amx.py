@@ -46,7 +46,8 @@ class AMXLinear(nn.Module):
 
     The plain kernel (`linear_plain`) computes C^T = W x^T with A tiles taken straight from W's
     rows. On the 262k x 640 LM head it ran 0.88-1.04x of the packed kernel at 1-32 rows and
-    0.87-0.90x at 64 (benchmarks/cpu_plain_gemm.py and its scratch forerunner, two runs), and it saves the packed copy (335 MB for Gemma 3 270M).
+    0.87-0.90x at 64 (benchmarks/cpu_plain_gemm.py and its scratch forerunner, two runs), and it
+    saves the packed copy (335 MB for Gemma 3 270M).
     The per-layer weights stay packed: their plain reads were up to 2.7x slower where rows sit
     2-4 KB apart (K = 1,024 / 2,048: L1 set conflicts), and packing them costs no memory.
     """
@@ -81,7 +82,7 @@ class AMXLinear(nn.Module):
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """W[idx] [U, K], contiguous."""
         if self.plain:
-            return self._ext.gather_rows(self.weight, idx)
+            return self.weight.index_select(0, idx)
         g, j, c = idx // 64, idx % 64 // 16, idx % 16
         return self.packed[g, :, j, :, c, :].reshape(idx.numel(), self.in_features)  # [U, K/32, 16, 2]
 

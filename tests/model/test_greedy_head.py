@@ -93,16 +93,6 @@ def test_bound_holds_against_float64() -> None:
 
 
 @needs_amx
-def test_gather_rows_matches_indexing() -> None:
-    w = torch.randn(64 * 30, 96).bfloat16()
-    idx = torch.randint(0, w.shape[0], (random.randint(1, 300),))
-    ext = amx.AMXLinear(w, None, plain=True).ext
-    assert torch.equal(ext.gather_rows(w, idx), w[idx])
-    with pytest.raises(RuntimeError, match="out of range"):
-        ext.gather_rows(w, torch.tensor([w.shape[0]]))
-
-
-@needs_amx
 def test_nan_and_many_rows_take_the_full_head() -> None:
     head = _head(64 * 20, 64, True, [])
     greedy = Int8GreedyHead(head)

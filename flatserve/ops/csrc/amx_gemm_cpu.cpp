@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -460,35 +459,10 @@ std::vector<torch::Tensor> greedy_candidates(const torch::Tensor& x, const torch
   return {torch::tensor(offsets, opt), torch::tensor(rows, opt), torch::tensor(all, opt)};
 }
 
-// w [N, K] contiguous, idx [U] int64 (each < N) -> w[idx] [U, K]: rows copied by both threads,
-// each asking for its row a few ahead (a rescoring's ~200-2,000 rows of the 262k-row head sit at
-// random places, cold in DRAM: torch's index_select took 0.3-1.7 ms a step for them).
-torch::Tensor gather_rows(const torch::Tensor& w, const torch::Tensor& idx) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && idx.dim() == 1 && idx.scalar_type() == at::kLong,
-              "gather_rows: contiguous w [N, K] and int64 idx [U]");
-  const int64_t U = idx.numel(), bytes = w.size(1) * w.element_size();
-  auto out = torch::empty({U, w.size(1)}, w.options());
-  const torch::Tensor ic = idx.contiguous();
-  const int64_t* ip = ic.data_ptr<int64_t>();
-  for (int64_t i = 0; i < U; ++i)
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < w.size(0), "gather_rows: index ", ip[i], " out of range");
-  const char* src = static_cast<const char*>(w.data_ptr());
-  char* dst = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, U, 64, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      if (i + 4 < e)
-        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(src + ip[i + 4] * bytes + o);
-      std::memcpy(dst + i * bytes, src + ip[i] * bytes, bytes);
-    }
-  });
-  return out;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "AMX bf16 compiled in and tile state granted to this process");
   m.def("linear", &linear, "x [M, K] bf16 @ packed W (+ bias) -> [M, N] bf16");
   m.def("linear_plain", &linear_plain, "x [M, K] bf16 @ plain W [N, K]^T (+ bias) -> [M, N] bf16");
   m.def("greedy_candidates", &greedy_candidates,
         "rows of a 7-bit weight copy that may hold each x row's bf16 argmax -> (offsets, rows, union)");
-  m.def("gather_rows", &gather_rows, "w [N, K] contiguous, idx [U] int64 -> w[idx]");
 }
