@@ -210,7 +210,10 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     import mmap
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(nbytes, 1))  # private anonymous: zero pages, faulted in on write
+    # MAP_PRIVATE: Python's default for -1 is MAP_SHARED, which is shmem. Shmem maps a real
+    # page on a read of untouched memory and faults slower (1.3 against 1.05 us a 4 KB page,
+    # this VM); private anonymous memory reads the shared zero page until written.
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # frombuffer holds a reference to buf, so the mapping lives as long as the tensor.
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
