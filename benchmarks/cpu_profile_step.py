@@ -125,7 +125,8 @@ def _time_kernels() -> dict[str, float]:
 
     def linear(m) -> str:
         if m.out_features <= 100_000:
-            return f"linear {m.out_features} x {m.in_features}"
+            gated = " + act (gated)" if getattr(m, "act", 0) else ""  # gate_up, 2N columns
+            return f"linear {m.out_features} x {m.in_features}{gated}"
         return "  of which bf16 head (greedy fall-back)" if in_greedy[0] else "LM head"
 
     wrap(AMXLinear, linear)

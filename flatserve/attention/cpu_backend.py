@@ -108,6 +108,18 @@ def _split(meta: AttentionMetadata) -> tuple[list[int], list[int], torch.Tensor,
     return got
 
 
+def _write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata) -> None:
+    """The kernel module's one-call K/V write where dtypes and row layouts allow (always, for
+    the engine's own tensors), else the torch reference's two index_copy_."""
+    d = k.shape[-1]
+    if (k.dtype == v.dtype == k_cache.dtype and k.stride(-1) == v.stride(-1) == 1
+            and k.stride(-2) == v.stride(-2) == d and meta.slot_mapping.dtype == torch.int64):
+        kernel().write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta)
+
+
 class CpuAttentionBackend:
     """amx_prefill: long chunks on the AMX prefill kernel where it runs (the "cpu" backend);
     False keeps them on SDPA (the "cpu-sdpa" backend, for A/Bs and CPUs where it misbehaves)."""
@@ -122,7 +134,7 @@ class CpuAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 p: LayerAttnParams, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta)
+        _write_kv(k, v, k_cache, v_cache, meta)
         if q.shape[-1] % LANES:  # the kernel works in 16-lane slices of the head
             return paged_attention_ref(q, k_cache, v_cache, meta, p, sinks)
         if meta.max_q_len <= MAX_KERNEL_ROWS:  # decodes and verify runs only: all to the kernel

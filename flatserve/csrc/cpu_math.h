@@ -68,4 +68,31 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// x rounded to bf16 (RNE) and back to fp32 lanes.
+inline __m512 round_bf16(__m512 x) {
+  const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// act(a) * u for 16 lanes of bf16-valued gate a and up u -> 16 bf16: both activations as
+// a / (1 + exp(-t)), SiLU's t = a and GELU-tanh's 0.5 a (1 + tanh z) = a * sigmoid(2z), t = 2z;
+// act rounded to bf16, then act * u rounded (the roundings of the torch reference). Shared by
+// the fused act_and_mul (ops/csrc/fused_cpu.cpp) and the gate_up GEMM's epilogue
+// (ops/csrc/amx_gemm_cpu.cpp), so the two give the same bits.
+template <bool GELU>
+inline __m256i act_mul_bf16x16(__m512 a, __m512 u) {
+  __m512 t = a;
+  if (GELU) {  // 2z = 2 * sqrt(2 / pi) * (a + 0.044715 a^3)
+    const __m512 a2 = _mm512_mul_ps(a, a);
+    t = _mm512_mul_ps(a, _mm512_fmadd_ps(a2, _mm512_set1_ps(2.f * 0.7978845608028654f * 0.044715f),
+                                         _mm512_set1_ps(2.f * 0.7978845608028654f)));
+  }
+  // exp(-t) overflows to inf for t < -88, and a / inf is the signed 0 torch's division gives.
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), t)));
+  const __m512 act = round_bf16(_mm512_div_ps(a, den));
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(act, u)));
+}
+#endif
+
 }  // namespace flatserve

@@ -40,6 +40,17 @@ def fits(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and n % 64 == 0 and k % 32 == 0
 
 
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [N/64, K/32, 4, 16, 16, 2]: W[64g + 16j + c, 32s + 2p + e] at [g, s, j, p, c, e],
+    k pairs interleaved (VNNI)."""
+    n, k = w.shape
+    return w.reshape(n // 64, 4, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+# Activations the GEMM epilogue applies (the kernel's Act codes).
+GATED_ACTS = {"silu": 1, "gelu_pytorch_tanh": 2}
+
+
 class AMXLinear(nn.Module):
     """y = x @ W.T + b with W held as AMX B tiles, [N/64, K/32, 4, 16, 16, 2]; or, with
     `plain`, W read as it is stored ([N, K], no copy: a tied LM head reads the embedding table).
@@ -59,14 +70,28 @@ class AMXLinear(nn.Module):
         assert self._ext is not None and self._ext.available(), "AMX kernel not available here"
         self.out_features, self.in_features = n, k = weight.shape
         self.plain = plain
+        self.act = 0  # GATED_ACTS code once `make_gated` folds an activation into the epilogue
         if plain:
             self.weight = weight.detach()  # [N, K], shared with its owner
             self.packed = _EMPTY
         else:
-            # W[64g + 16j + c, 32s + 2p + e] -> packed[g, s, j, p, c, e]: k pairs interleaved (VNNI).
-            self.packed = (weight.detach().reshape(n // 64, 4, 16, k // 32, 16, 2)
-                           .permute(0, 3, 1, 4, 2, 5).contiguous())
+            self.packed = _pack(weight.detach())
         self.bias = _EMPTY if bias is None else bias.detach().to(torch.bfloat16).contiguous()
+
+    def make_gated(self, act: str) -> bool:
+        """A gate_up projection (gate rows, then up rows) becomes x -> act(gate) * up [.., N/2],
+        the activation applied in the GEMM's epilogue with act_and_mul's maths and roundings
+        (bit-identical to the two calls; csrc/amx_gemm_cpu.cpp, store_gated). Each 64-row group
+        is repacked as gate 16 | up 16 | gate 16 | up 16 rows of the same output columns.
+        -> whether it took (packed, no bias, an activation it knows, N/2 a multiple of 32)."""
+        i = self.out_features // 2
+        if self.plain or self.act or self.bias.numel() or act not in GATED_ACTS or i % 32:
+            return False
+        half = torch.arange(i).view(-1, 2, 16)  # [I/32, 2, 16]: two 16-column runs per group
+        order = torch.stack([half, half + i], dim=2).reshape(-1)  # gate run, its up run, ...
+        self.packed = _pack(self.plain_weight()[order])
+        self.act, self.out_features = GATED_ACTS[act], i
+        return True
 
     @property
     def ext(self):  # noqa: ANN201 - the built extension module
@@ -74,6 +99,7 @@ class AMXLinear(nn.Module):
 
     def plain_weight(self) -> torch.Tensor:
         """W [N, K]: the weight itself (plain) or an unpacked copy (packed)."""
+        assert not self.act, "a gated linear's rows are interleaved"
         if self.plain:
             return self.weight
         n, k = self.out_features, self.in_features
@@ -81,6 +107,7 @@ class AMXLinear(nn.Module):
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """W[idx] [U, K], contiguous."""
+        assert not self.act, "a gated linear's rows are interleaved"
         if self.plain:
             return self.weight.index_select(0, idx)
         g, j, c = idx // 64, idx % 64 // 16, idx % 16
@@ -92,7 +119,7 @@ class AMXLinear(nn.Module):
         if self.plain:
             y = self._ext.linear_plain(x2, self.weight, self.bias)  # [M, N]
         else:
-            y = self._ext.linear(x2, self.packed, self.bias)  # [M, N]
+            y = self._ext.linear(x2, self.packed, self.bias, self.act)  # [M, N] (gated: N / 2)
         return y.reshape(*lead, self.out_features)
 
 

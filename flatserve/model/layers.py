@@ -163,8 +163,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.act, self.act_name = ACTIVATIONS[act], act
         self.fused: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+        self.gated = False  # gate_up_proj itself returns act(gate) * up (flatserve.ops.enable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(self.gate_up_proj(x))
         if self.fused is not None:
             return self.down_proj(self.fused(self.gate_up_proj(x), self.act_name))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each

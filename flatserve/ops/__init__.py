@@ -59,4 +59,5 @@ def enable(model: nn.Module, names: frozenset[str], backend: str) -> None:
         elif isinstance(m, Attention) and "rope" in names:
             m.fused = impl.qk_norm_rope
         elif isinstance(m, GatedMLP) and "act" in names and m.act_name in impl.ACTS:
-            m.fused = impl.act_and_mul
+            m.gated = impl.fuse_gate_up(m)  # the activation in the gate_up GEMM where it can be
+            m.fused = None if m.gated else impl.act_and_mul

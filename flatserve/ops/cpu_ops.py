@@ -33,6 +33,15 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     return module().act_and_mul(x, act == "gelu_pytorch_tanh")
 
 
+def fuse_gate_up(mlp: torch.nn.Module) -> bool:
+    """Folds act(gate) * up into an AMX gate_up GEMM's epilogue (model/amx.py, make_gated):
+    -> whether it took (other linears keep act_and_mul)."""
+    from flatserve.model.amx import AMXLinear
+
+    lin = mlp.gate_up_proj
+    return isinstance(lin, AMXLinear) and lin.make_gated(mlp.act_name)
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float,
                  offset: bool) -> None:

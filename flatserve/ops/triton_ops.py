@@ -140,6 +140,11 @@ def _act_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, GELU: tl.constexpr, BLO
 ACTS = ("silu", "gelu_pytorch_tanh")
 
 
+def fuse_gate_up(mlp: torch.nn.Module) -> bool:
+    """No GEMM epilogue to fold the activation into on this path (cuBLAS linears)."""
+    return False
+
+
 def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     """x [T, 2I] = gate | up -> act(gate) * up [T, I]."""
     T, two_i = x.shape

@@ -135,3 +135,30 @@ def test_backend_mixed_batch_equals_torch_backend(q_lens: list[int], window: int
     ref = TorchAttentionBackend().forward(q, k, v, kc2, vc2, meta, p)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,T", [(torch.bfloat16, 16), (torch.float32, 700)])
+def test_write_kv_matches_torch(dtype: torch.dtype, T: int) -> None:
+    """The one-call K/V write equals the torch reference's on the views the model passes (K and
+    V as strided slices of one qkv output), with skipped (< 0) slots, into pools with earlier
+    contents; an out-of-range slot is an error, not a stray write."""
+    from flatserve.attention.torch_backend import write_kv
+
+    hkv, d, nb, bs = 2, 64, 64, 16
+    qkv = torch.randn(T, (4 + 2 * hkv) * d).to(dtype)
+    k = qkv[:, 4 * d:(4 + hkv) * d].view(T, hkv, d)
+    v = qkv[:, (4 + hkv) * d:].view(T, hkv, d)
+    slots = torch.randperm(nb * bs)[:T]
+    slots[torch.rand(T) < 0.2] = -1
+    pools = [torch.randn(nb, bs, hkv, d).to(dtype) for _ in range(2)]
+    kc, vc = pools[0].clone(), pools[1].clone()
+    cpu_backend.kernel().write_kv(k, v, kc, vc, slots)
+    kr, vr = pools[0].clone(), pools[1].clone()
+    write_kv(k, v, kr, vr, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert not torch.equal(kc, pools[0])  # something was written
+    bad = slots.clone()
+    bad[0] = nb * bs
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_backend.kernel().write_kv(k, v, kc, vc, bad)
+    assert torch.equal(kc, kr)  # checked before any write

@@ -95,3 +95,28 @@ def test_amx_pack_falls_back_to_onednn_and_shares_a_tied_head() -> None:
     assert m.model.embed_tokens.weight.shape == (1024, 64)  # the lookup keeps its plain rows
     for a, b in zip(before, [m.model.proj(x), m.model.odd(x), m.lm_head(x)]):
         torch.testing.assert_close(b, a, atol=0.02, rtol=0.02)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100])  # 1 x 4 tiles to 32, 2 x 2 above
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_gemm_equals_linear_then_act_and_mul(rows: int, act: str) -> None:
+    """A gate_up projection with the activation in its epilogue gives the bits of the packed
+    linear followed by the fused act_and_mul (same roundings), on fresh random weights; a
+    linear with a bias or an activation the epilogue lacks is not taken."""
+    from flatserve.ops import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip(f"fused C++ ops did not build: {cpu_ops.module.error}")
+    i = 32 * random.randint(1, 40)
+    K = 32 * random.choice([1, 5, 20, 64])
+    w = (torch.randn(2 * i, K) * torch.rand(2 * i, 1) * 2).bfloat16()
+    x = torch.randn(rows, K).bfloat16() * 2
+    lin = amx.AMXLinear(w, None)
+    want = cpu_ops.act_and_mul(lin(x), act)  # [rows, i]
+    assert lin.make_gated(act) and lin.out_features == i
+    got = lin(x)
+    assert got.shape == (rows, i) and torch.equal(got, want)
+    assert not lin.make_gated(act)  # once only
+    assert not amx.AMXLinear(w, torch.randn(2 * i).bfloat16()).make_gated(act)
+    assert not amx.AMXLinear(torch.randn(64, K).bfloat16(), None).make_gated("relu")

@@ -86,6 +86,31 @@ inline void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc
 }
 
 #if defined(__AVX512BF16__)
+// Sums of 16 vectors in one: 45 shuffles and adds against 16 horizontal reductions (~10
+// dependent instructions each, every 4 keys x 4 heads). Lane l holds the sum of v[kPerm[l]]
+// (scores_bf16's table).
+inline __m512 reduce16(const __m512* v) {
+  __m512 r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: v[i]'s partial sums low, v[i + 8]'s high
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[i], r[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)  // pairs within quarters
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[i], s[i + 2], 0x44), _mm512_shuffle_ps(s[i], s[i + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+}
+
+inline __m128 extract4(__m512 r, int j) {
+  switch (j) {
+    case 0: return _mm512_extractf32x4_ps(r, 0);
+    case 1: return _mm512_extractf32x4_ps(r, 1);
+    case 2: return _mm512_extractf32x4_ps(r, 2);
+    default: return _mm512_extractf32x4_ps(r, 3);
+  }
+}
+
 // bf16 caches on CPUs with AVX512-BF16: vdpbf16ps multiplies bf16 pairs straight from the
 // cache and accumulates in fp32 (32 elements per instruction, no conversion of K), the
 // products exact in fp32 as in the generic path; only the order of the fp32 sums differs.
@@ -103,8 +128,18 @@ inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t rs
       for (int i = 0; i < NK; ++i) s[i][j] = _mm512_dpbf16_ps(s[i][j], qj, kv[i]);
     }
   }
-  for (int i = 0; i < NK; ++i)
-    for (int j = 0; j < G; ++j) sc[j * bs + i] = _mm512_reduce_add_ps(s[i][j]);
+  if constexpr (NK == 4 && G == 4) {
+    // Lane l of reduce16's result sums input kPerm[l]; feeding s[i][j] as input kPerm[4j + i]
+    // puts head j's four scores in lanes 4j..4j+3.
+    constexpr int kPerm[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+    __m512 in[16];
+    for (int l = 0; l < 16; ++l) in[kPerm[l]] = s[l % 4][l / 4];
+    const __m512 r = reduce16(in);
+    for (int j = 0; j < 4; ++j) _mm_storeu_ps(sc + j * bs, extract4(r, j));
+  } else {
+    for (int i = 0; i < NK; ++i)
+      for (int j = 0; j < G; ++j) sc[j * bs + i] = _mm512_reduce_add_ps(s[i][j]);
+  }
 }
 #endif
 
@@ -416,7 +451,49 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// k, v [T, Hkv, D] (rows may be strided, as views of the fused qkv output are; each row's
+// Hkv x D contiguous) -> caches [num_blocks, block_size, Hkv, D] at slot_mapping[T] (int64,
+// < 0 skipped), same dtype. One call for K and V: the two index_copy_ it replaces cost
+// ~1.0 ms of an 18-layer decode step at 16 requests (benchmarks/cpu_profile_step.py 16
+// --by-kernel), almost all of it per-op overhead for 16 x 1 KB of data.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.is_cpu() && v.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() &&
+              slot_mapping.is_cpu(), "write_kv: CPU tensors only");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 &&
+              v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == k.size(1) &&
+              k_cache.size(3) == k.size(2), "write_kv: k, v [T, Hkv, D], caches [N, bs, Hkv, D]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "write_kv: one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+              v.stride(1) == v.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "write_kv: each row's heads contiguous, caches contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+              slot_mapping.is_contiguous() && slot_mapping.size(0) == k.size(0),
+              "write_kv: int64 slot_mapping [T]");
+  const int64_t T = k.size(0), slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row = k.size(1) * k.size(2) * k.element_size();  // bytes of one token's K
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sm[t] < slots, "write_kv: slot out of range");
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  // Threads only for prompt-sized writes (2,048 rows x 2 x 512 B = 2 MB a layer).
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (sm[t] < 0) continue;
+      std::memcpy(kc + sm[t] * row, kp + t * ks, row);
+      std::memcpy(vc + sm[t] * row, vp + t * vs, row);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("write_kv", &write_kv, "K and V rows into the paged caches at slot_mapping",
+          py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
+          py::arg("slot_mapping"));
   mod.def("paged_decode", &paged_decode, "paged decode attention, KV read in place",
           py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
           py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("scale"), py::arg("window"),

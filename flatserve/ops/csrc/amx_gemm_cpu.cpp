@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include "amx_tiles.h"
+#include "cpu_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -37,13 +38,39 @@ inline void store_rows(const float (*c)[16], const at::BFloat16* bias, at::BFloa
                             _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[r]), b))));
 }
 
-struct Problem {  // one call: x [M(padded), K], W packed, bias [N] or null, y [M, N]
+// Gated epilogue (a gate_up projection packed by AMXLinear.gated): each 64-column group holds
+// gate columns 32g..32g+15, up 32g..32g+15, gate 32g+16..32g+31, up 32g+16..32g+31, and the
+// GEMM writes act(gate) * up, [M, N/2], instead of [M, N]. Saves the [M, N] round trip through
+// memory and the act_and_mul call: 2,048 prompt rows of Gemma's 4,096-wide gate_up write
+// 16 MB, which act_and_mul reads back.
+enum Act : int { kNone = 0, kSilu = 1, kGelu = 2 };
+
+// Two spilled C tiles (gate, up: 16 rows x the same 16 columns) -> y rows < `rows` (stride ldy):
+// each rounded to bf16 as the plain epilogue would store it, then act_and_mul's maths.
+inline void store_gated(const float (*g)[16], const float (*u)[16], at::BFloat16* y, int64_t ldy,
+                        int64_t rows, int act) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 a = flatserve::round_bf16(_mm512_load_ps(g[r]));
+    const __m512 b = flatserve::round_bf16(_mm512_load_ps(u[r]));
+    const __m256i out = act == kGelu ? flatserve::act_mul_bf16x16<true>(a, b)
+                                     : flatserve::act_mul_bf16x16<false>(a, b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), out);
+  }
+}
+
+struct Problem {  // one call: x [M(padded), K], W packed, bias [N] or null, y [M, N] (gated: N/2)
   const char* x;
   const char* w;
   const at::BFloat16* bias;
   at::BFloat16* y;
   int64_t M, N, K;
+  int act = kNone;
   const at::BFloat16* bias_at(int64_t col) const { return bias ? bias + col : nullptr; }
+  // Tiles (gate, up) at packed columns col.., col + 16.. -> output column col / 2 (col % 32 == 0).
+  void store_pair(const float (*g)[16], const float (*u)[16], int64_t row0, int64_t col,
+                  int64_t rows) const {
+    store_gated(g, u, y + row0 * (N / 2) + col / 2, N / 2, rows, act);
+  }
 };
 
 // Up to 2 row blocks: 1 x 4 tiles (C0..C3 one row block x 64 columns); the weight panel is read
@@ -68,6 +95,11 @@ void gemm_1x4(const Problem& p, int64_t g0, int64_t g1) {
       _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
       _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
       const int64_t rows = std::min<int64_t>(16, M - rb * 16);
+      if (p.act != kNone) {
+        p.store_pair(c[0], c[1], rb * 16, g * 64, rows);
+        p.store_pair(c[2], c[3], rb * 16, g * 64 + 32, rows);
+        continue;
+      }
       for (int j = 0; j < 4; ++j)
         store_rows(c[j], p.bias_at(g * 64 + j * 16), p.y + rb * 16 * N + g * 64 + j * 16, N, rows);
     }
@@ -105,6 +137,10 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
             _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
             for (int h = 0; h < 2; ++h) {
               const int64_t rows = std::min<int64_t>(16, M - (rb + h) * 16);
+              if (p.act != kNone) {
+                if (rows > 0) p.store_pair(c[h][0], c[h][1], (rb + h) * 16, g * 64 + jp * 16, rows);
+                continue;
+              }
               for (int j = 0; j < 2; ++j) {
                 const int64_t col = g * 64 + (jp + j) * 16;
                 store_rows(c[h][j], p.bias_at(col), p.y + (rb + h) * 16 * N + col, N, rows);
@@ -285,7 +321,7 @@ inline void u7_piece_to_bf16(const uint8_t* w, char* a) {
 void greedy_rows(const uint8_t* wq, const float* s, const float* c, const float* xstat, const char* xt,
                  int64_t M, int64_t K, int64_t g0, int64_t g1, GreedyPart& out) {
   const int64_t KB = K / 32;
-  alignas(64) char a[64 * 64];
+  alignas(64) char ab[2][64 * 64];
   alignas(64) float acc[4][16][16];
   const __mmask16 live = static_cast<__mmask16>((1u << M) - 1);  // token lanes in use
   __m512 xabs = _mm512_setzero_ps(), xsum192 = _mm512_setzero_ps();  // per token lane
@@ -297,11 +333,15 @@ void greedy_rows(const uint8_t* wq, const float* s, const float* c, const float*
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = wq + g * 64 * K;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    u7_piece_to_bf16(wg, ab[0]);
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* wk = wg + kb * 2048;  // [64 rows][32 k]
       for (int b = 0; b < 2048; b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wk) + kGreedyPrefetch + b, _MM_HINT_T1);
-      u7_piece_to_bf16(wk, a);
+      // Convert the next piece before the tiles read this one: a tile load right after the
+      // vector stores to its own bytes waits for them to reach L1.
+      if (kb + 1 < KB) u7_piece_to_bf16(wk + 2048, ab[(kb + 1) & 1]);
+      const char* a = ab[kb & 1];
       _tile_loadd(6, xt + kb * 1024, 64);
       _tile_loadd(4, a, 64);            _tile_dpbf16ps(0, 4, 6);
       _tile_loadd(5, a + 16 * 64, 64);  _tile_dpbf16ps(1, 5, 6);
@@ -372,7 +412,8 @@ torch::Tensor linear_plain(const torch::Tensor& x, const torch::Tensor& w, const
 }
 
 // x [M, K] bf16, w_packed [N/64, K/32, 4, 16, 16, 2] bf16, bias [N] bf16 or empty -> y [M, N].
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, const torch::Tensor& bias) {
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, const torch::Tensor& bias,
+                     int64_t act) {
   TORCH_CHECK(available(), "AMX bf16 tiles are not available in this process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w_packed.dim() == 6 &&
               w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous(),
@@ -382,7 +423,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
               w_packed.size(1) * 32);
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() &&
                                      bias.scalar_type() == at::kBFloat16), "amx linear: bias [N] bf16");
-  auto y = torch::empty({M, N}, x.options());
+  TORCH_CHECK(act >= kNone && act <= kGelu && (act == kNone || bias.numel() == 0),
+              "amx linear: act 0 (none), 1 (silu) or 2 (gelu-tanh), gated without bias");
+  auto y = torch::empty({M, act == kNone ? N : N / 2}, x.options());
   if (M == 0) return y;
   const bool wide = M > 32;
   const int64_t padded = wide ? (M + 31) / 32 * 32 : (M + 15) / 16 * 16;
@@ -394,7 +437,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
 #ifdef FLATSERVE_AMX
   const Problem p{static_cast<const char*>(xs.data_ptr()), static_cast<const char*>(w_packed.data_ptr()),
                   bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
-                  M, N, K};
+                  M, N, K, static_cast<int>(act)};
   // Whole 64-column groups per thread: each thread streams one contiguous slice of the weight.
   at::parallel_for(0, N / 64, 1, [&](int64_t g0, int64_t g1) {
     flatserve::load_tile_config();
@@ -461,7 +504,8 @@ std::vector<torch::Tensor> greedy_candidates(const torch::Tensor& x, const torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "AMX bf16 compiled in and tile state granted to this process");
-  m.def("linear", &linear, "x [M, K] bf16 @ packed W (+ bias) -> [M, N] bf16");
+  m.def("linear", &linear, "x [M, K] bf16 @ packed W (+ bias) -> [M, N] bf16; act 1 / 2: gated, [M, N / 2]",
+        py::arg("x"), py::arg("w_packed"), py::arg("bias"), py::arg("act") = 0);
   m.def("linear_plain", &linear_plain, "x [M, K] bf16 @ plain W [N, K]^T (+ bias) -> [M, N] bf16");
   m.def("greedy_candidates", &greedy_candidates,
         "rows of a 7-bit weight copy that may hold each x row's bf16 argmax -> (offsets, rows, union)");

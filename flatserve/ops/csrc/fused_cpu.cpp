@@ -135,28 +135,12 @@ void act_row(const T* g, const T* u, T* y, int64_t I) {
 inline __m512 bf16_lanes(const uint16_t* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
-inline __m512 round_bf16(__m512 x) {
-  const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
 template <bool GELU>
 void act_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t I) {
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < I; i += 16) {
     const __mmask16 k = I - i >= 16 ? static_cast<__mmask16>(0xFFFF)
                                     : static_cast<__mmask16>((1u << (I - i)) - 1);
-    const __m512 a = bf16_lanes(g + i, k);
-    __m512 t = a;
-    if (GELU) {  // 2z = 2 * sqrt(2 / pi) * (a + 0.044715 a^3)
-      const __m512 a2 = _mm512_mul_ps(a, a);
-      t = _mm512_mul_ps(a, _mm512_fmadd_ps(a2, _mm512_set1_ps(2.f * 0.7978845608028654f * 0.044715f),
-                                           _mm512_set1_ps(2.f * 0.7978845608028654f)));
-    }
-    // exp(-t) overflows to inf for t < -88, and a / inf is the signed 0 torch's division gives.
-    const __m512 den = _mm512_add_ps(one, flatserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), t)));
-    const __m512 act = round_bf16(_mm512_div_ps(a, den));
-    const __m256i out = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(act, bf16_lanes(u + i, k))));
+    const __m256i out = flatserve::act_mul_bf16x16<GELU>(bf16_lanes(g + i, k), bf16_lanes(u + i, k));
     _mm256_mask_storeu_epi16(y + i, k, out);
   }
 }
