@@ -44,6 +44,10 @@ def main() -> None:
     ap.add_argument("--rev", default="bb680e4")
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--sequential", action="store_true",
+                    help="each sequence's blocks in ascending pool order, as the engine hands out "
+                         "a prompt's blocks (the default scatters them: the hardware prefetcher "
+                         "then cannot help)")
     a = ap.parse_args()
     mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_decode_ab"),
             "working tree": dev.build_cpu_extension("flatserve_paged_decode_cpu", SRC)}
@@ -51,6 +55,10 @@ def main() -> None:
     lens = [random.randint(10, 1500) + 64 for _ in range(16)]
     n = a.rows
     q, kc, vc, meta = make_case([n] * 16, lens, 4, 1, 256, 16, torch.bfloat16, seed=0, device="cpu")
+    if a.sequential:  # timing only: the values read need not be the case's
+        used = meta.block_table > 0
+        flat = torch.sort(meta.block_table[used]).values
+        meta.block_table[used] = flat
     caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(a.layers - 1)]
     # The same rows as one-row decodes: row j of a run sees lens - n + j + 1 keys.
     seq_of = torch.arange(16).repeat_interleave(n)
