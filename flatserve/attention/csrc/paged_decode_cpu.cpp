@@ -10,6 +10,13 @@
 // whose rows x query heads fit one AMX tile (<= 16 vectors) take their scores on tiles
 // (amx_scores): at 4 rows x 4 heads the vector FMAs, not the bytes, had set the pace
 // (benchmarks/cpu_decode_ab.py --rows 4: 1.55 -> 1.26 ms a full layer, 0.95 -> 0.77 windowed).
+// At Gemma's shape a decode is bound by these instructions, not by the bytes (18 layers' caches
+// from DRAM read in 0.39 ms by a plain stream against 0.66 ms for the kernel), so session 13
+// trimmed them: one shuffle tree for each 4 keys x 4 heads' 16 sums, the 16 keys of a block's
+// softmax as one vector per head, and V widened 32 values per shift + mask (bit-identical):
+// `cpu_decode_ab.py --layers 18 --sequential`, 0.66 -> 0.59 ms full, 0.35 -> 0.30 windowed,
+// --rows 4: 1.35 -> 1.07. AMX tiles for a decode's scores (K straight from the cache, or via an
+// L1 copy; K prefetched 2 blocks ahead) ran 10-25% slower than these vector instructions.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -143,6 +150,64 @@ inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t rs
 }
 #endif
 
+#if defined(__AVX512F__)
+// bf16 P V with V widened 32 values at a time by one shift (even elements) and one mask (odd
+// ones), against a zero-extend and a shift per 16: the accumulators of each 32-dim chunk hold
+// its even dims, then its odd ones (split_acc_index). For G <= 4 the same products in the same
+// order of sums as the generic loop, so the same bits; G = 8 sums its keys in one chain.
+inline int64_t split_acc_index(int64_t e) { return (e & ~int64_t{31}) + (e & 1) * 16 + (e & 31) / 2; }
+
+template <int G>
+inline void pv_bf16_split(const uint16_t* vb, int64_t rs, int64_t t0, int64_t t1, int64_t d,
+                          int64_t bs, const float* corr, float* acc, const float* sc) {
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512 ae[G], ao[G], be[G], bo[G];
+    for (int j = 0; j < G; ++j) {
+      const __m512 cj = _mm512_set1_ps(corr[j]);
+      ae[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * d + c), cj);
+      ao[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * d + c + 16), cj);
+      be[j] = bo[j] = _mm512_setzero_ps();
+    }
+    int64_t i = t0;
+    // G = 8 (packed rows): one accumulator pair per head, the registers hold no more.
+    for (; G <= 4 && i + 2 <= t1; i += 2) {
+      const __m512i w0 = _mm512_loadu_si512(vb + i * rs + c), w1 = _mm512_loadu_si512(vb + (i + 1) * rs + c);
+      const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
+      const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));
+      for (int j = 0; j < G; ++j) {
+        const __m512 p0 = _mm512_set1_ps(sc[j * bs + i]), p1 = _mm512_set1_ps(sc[j * bs + i + 1]);
+        ae[j] = _mm512_fmadd_ps(p0, e0, ae[j]); ao[j] = _mm512_fmadd_ps(p0, o0, ao[j]);
+        be[j] = _mm512_fmadd_ps(p1, e1, be[j]); bo[j] = _mm512_fmadd_ps(p1, o1, bo[j]);
+      }
+    }
+    for (; i < t1; ++i) {
+      const __m512i w0 = _mm512_loadu_si512(vb + i * rs + c);
+      const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
+      for (int j = 0; j < G; ++j) {
+        const __m512 p0 = _mm512_set1_ps(sc[j * bs + i]);
+        ae[j] = _mm512_fmadd_ps(p0, e0, ae[j]); ao[j] = _mm512_fmadd_ps(p0, o0, ao[j]);
+      }
+    }
+    for (int j = 0; j < G; ++j) {
+      _mm512_storeu_ps(acc + j * d + c, _mm512_add_ps(ae[j], be[j]));
+      _mm512_storeu_ps(acc + j * d + c + 16, _mm512_add_ps(ao[j], bo[j]));
+    }
+  }
+}
+#endif
+
+// Whether attend's accumulators for T and head size d are in pv_bf16_split's order (every
+// block_step then writes them so, whatever its G).
+template <typename T>
+inline bool split_acc(int64_t d) {
+#if defined(__AVX512F__)
+  return std::is_same_v<T, at::BFloat16> && d % 32 == 0;
+#else
+  return false;
+#endif
+}
+
 // One block's rows t0..t1 for G query heads (starting at head j0 of the group): scores, online
 // softmax update of (mx, den), then acc = acc * corr + weights . V, one 16-lane slice of the G
 // accumulators held across the block's rows, each V slice loaded and converted once.
@@ -166,6 +231,22 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
   for (; t + NK <= t1; t += NK) scores<T, G, NK>(qf, kb + t * rs, rs, d, sc + t, bs);
   for (; t < t1; ++t) scores<T, G, 1>(qf, kb + t * rs, rs, d, sc + t, bs);
   float corr[G];
+#if defined(__AVX512F__)
+  if (bs == 16 && m.softcap <= 0.f) {  // one vector per head: the scalar loops below cost more
+    const __mmask16 k = static_cast<__mmask16>(((1u << t1) - 1) & ~((1u << t0) - 1));
+    const __m512 scale = _mm512_set1_ps(m.scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int j = 0; j < G; ++j) {
+      float* sj = sc + j * bs;
+      const __m512 x = _mm512_mask_mul_ps(ninf, k, _mm512_loadu_ps(sj), scale);
+      const float nm = std::max(mx[j], _mm512_reduce_max_ps(x));
+      corr[j] = std::exp(mx[j] - nm);
+      const __m512 e = _mm512_maskz_mov_ps(k, flatserve::exp16(_mm512_sub_ps(x, _mm512_set1_ps(nm))));
+      _mm512_storeu_ps(sj, e);
+      den[j] = den[j] * corr[j] + _mm512_reduce_add_ps(e);
+      mx[j] = nm;
+    }
+  } else
+#endif
   for (int j = 0; j < G; ++j) {
     float* sj = sc + j * bs;
     float bm = -std::numeric_limits<float>::infinity();
@@ -186,6 +267,14 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
     den[j] = den[j] * corr[j] + sum;
     mx[j] = nm;
   }
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (split_acc<T>(d)) {
+      pv_bf16_split<G>(reinterpret_cast<const uint16_t*>(vb), rs, t0, t1, d, bs, corr, acc, sc);
+      return;
+    }
+  }
+#endif
   // Even and odd rows go to separate accumulators: with one chain per head the FMAs waited on
   // each other's latency (4 cycles) and PV ran at one FMA per cycle.
   for (int64_t c = 0; c < d; c += kLanes) {
@@ -347,7 +436,10 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
       }
       const float f = dj > 0.f ? corr / dj : 0.f;
       T* o = out + r * qs + (h * g + j) * d;
-      for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[i * d + e] * f);
+      if (split_acc<T>(d))
+        for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[i * d + split_acc_index(e)] * f);
+      else
+        for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[i * d + e] * f);
     }
 }
 
