@@ -3,11 +3,15 @@
     .venv/bin/python benchmarks/cpu_profile_step.py 1 [--quantization int8]
     .venv/bin/python benchmarks/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--attention-backend B]
         [--ngram K] [--cpu-gemm amx|onednn|torch]
+    .venv/bin/python benchmarks/cpu_profile_step.py 16 --generate
 
 Default model, bf16; prompts of 10..1,500 random tokens (seeded), decoding after their prefill.
 The torch profiler sees aten ops only, not our C++ extensions; --by-kernel instead times 20
 steps with wall clocks around the packed linears (LM head apart) and the attention backend.
 `--ngram K` speculates with K n-gram drafts, so the steps timed are verify steps.
+`--generate`: benchmarks/offline_cpu.py's run itself (its prompts at level N, 128 tokens, one
+`LLM.generate` after its warm-up), every step timed by kernel, prompt steps and decode steps
+apart (random-token prompts draw more greedy-head candidates than that text).
 """
 from __future__ import annotations
 
@@ -33,7 +37,11 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None, help="cpu | cpu-sdpa | torch")
     ap.add_argument("--ngram", type=int, default=0, help="n-gram drafts per step (0: none)")
     ap.add_argument("--cpu-gemm", default="auto", help="amx | onednn | torch")
+    ap.add_argument("--generate", action="store_true",
+                    help="by kernel over offline_cpu.py's own run, prompt and decode steps apart")
     a = ap.parse_args()
+    if a.generate:
+        return _split_generate(a.n, _time_kernels())
     spent = _time_kernels() if a.by_kernel else None
     spec = dict(speculative_method="ngram", num_speculative_tokens=a.ngram) if a.ngram else {}
     llm = LLM(dtype="bfloat16", max_num_seqs=a.n, max_model_len=4096, kv_cache_memory=512 * 2**20,
@@ -92,6 +100,42 @@ def _split_prefill(eng, spent: dict[str, float]) -> None:
     for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {k:28s} {v:6.3f} s")
     print(f"  {'everything else':28s} {wall - _outer(spent):6.3f} s")
+
+
+def _split_generate(n: int, spent: dict[str, float]) -> None:
+    """offline_cpu.py's flatserve run at n requests, each step's kernel times filed under
+    "prompt" (a request still had prompt tokens when the step began) or "decode"."""
+    from benchmarks.offline_cpu import make_prompts
+    from flatserve import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096)
+    eng = llm.engine
+    llm.generate(make_prompts(n)[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    step = eng.step
+    steps = {"prompt": [0, 0.0], "decode": [0, 0.0]}
+    by: dict[str, dict[str, float]] = {"prompt": {}, "decode": {}}
+
+    def timed(*args, **kw):
+        kind = "prompt" if any(r.num_computed_tokens < r.num_prompt_tokens
+                               for r in eng.scheduler.requests.values()) else "decode"
+        before = dict(spent)
+        t = time.perf_counter()
+        out = step(*args, **kw)
+        steps[kind][0] += 1
+        steps[kind][1] += time.perf_counter() - t
+        for k, v in spent.items():
+            by[kind][k] = by[kind].get(k, 0.0) + v - before.get(k, 0.0)
+        return out
+
+    eng.step = timed
+    spent.clear()
+    llm.generate(make_prompts(n), SamplingParams(max_tokens=128, temperature=0, ignore_eos=True),
+                 use_tqdm=False)
+    for kind, (count, total) in steps.items():
+        print(f"{kind} steps: {count}, {total / count * 1e3:.1f} ms each, {total:.2f} s")
+        for k, v in sorted(by[kind].items(), key=lambda kv: -kv[1]):
+            print(f"  {k:34s} {v / count * 1e3:7.2f} ms")
+        print(f"  {'everything else':34s} {(total - _outer(by[kind])) / count * 1e3:7.2f} ms")
 
 
 def _outer(spent: dict[str, float]) -> float:
@@ -164,7 +208,7 @@ def _time_kernels() -> dict[str, float]:
     wrap_fn(cpu_ops, "rms_norm", "fused rms_norm")
     wrap_fn(cpu_ops, "act_and_mul", "fused act_and_mul")
     wrap_fn(cpu_ops, "qk_norm_rope", "fused qk_norm_rope")
-    wrap_fn(cpu_backend, "write_kv", "  of which KV write")
+    wrap_fn(cpu_backend, "_write_kv", "  of which KV write")
     return spent
 
 
