@@ -161,6 +161,8 @@ template <int G>
 inline void pv_bf16_split(const uint16_t* vb, int64_t rs, int64_t t0, int64_t t1, int64_t d,
                           int64_t bs, const float* corr, float* acc, const float* sc) {
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  auto even = [](__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); };
+  auto odd = [&](__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, hi)); };
   for (int64_t c = 0; c < d; c += 32) {
     __m512 ae[G], ao[G], be[G], bo[G];
     for (int j = 0; j < G; ++j) {
@@ -172,9 +174,9 @@ inline void pv_bf16_split(const uint16_t* vb, int64_t rs, int64_t t0, int64_t t1
     int64_t i = t0;
     // G = 8 (packed rows): one accumulator pair per head, the registers hold no more.
     for (; G <= 4 && i + 2 <= t1; i += 2) {
-      const __m512i w0 = _mm512_loadu_si512(vb + i * rs + c), w1 = _mm512_loadu_si512(vb + (i + 1) * rs + c);
-      const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
-      const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));
+      const __m512i w0 = _mm512_loadu_si512(vb + i * rs + c);
+      const __m512i w1 = _mm512_loadu_si512(vb + (i + 1) * rs + c);
+      const __m512 e0 = even(w0), o0 = odd(w0), e1 = even(w1), o1 = odd(w1);
       for (int j = 0; j < G; ++j) {
         const __m512 p0 = _mm512_set1_ps(sc[j * bs + i]), p1 = _mm512_set1_ps(sc[j * bs + i + 1]);
         ae[j] = _mm512_fmadd_ps(p0, e0, ae[j]); ao[j] = _mm512_fmadd_ps(p0, o0, ao[j]);
@@ -183,7 +185,7 @@ inline void pv_bf16_split(const uint16_t* vb, int64_t rs, int64_t t0, int64_t t1
     }
     for (; i < t1; ++i) {
       const __m512i w0 = _mm512_loadu_si512(vb + i * rs + c);
-      const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
+      const __m512 e0 = even(w0), o0 = odd(w0);
       for (int j = 0; j < G; ++j) {
         const __m512 p0 = _mm512_set1_ps(sc[j * bs + i]);
         ae[j] = _mm512_fmadd_ps(p0, e0, ae[j]); ao[j] = _mm512_fmadd_ps(p0, o0, ao[j]);
@@ -234,7 +236,8 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
 #if defined(__AVX512F__)
   if (bs == 16 && m.softcap <= 0.f) {  // one vector per head: the scalar loops below cost more
     const __mmask16 k = static_cast<__mmask16>(((1u << t1) - 1) & ~((1u << t0) - 1));
-    const __m512 scale = _mm512_set1_ps(m.scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512 scale = _mm512_set1_ps(m.scale);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int j = 0; j < G; ++j) {
       float* sj = sc + j * bs;
       const __m512 x = _mm512_mask_mul_ps(ninf, k, _mm512_loadu_ps(sj), scale);

@@ -38,8 +38,8 @@ inline void store_rows(const float (*c)[16], const at::BFloat16* bias, at::BFloa
                             _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[r]), b))));
 }
 
-// Gated epilogue (a gate_up projection packed by AMXLinear.gated): each 64-column group holds
-// gate columns 32g..32g+15, up 32g..32g+15, gate 32g+16..32g+31, up 32g+16..32g+31, and the
+// Gated epilogue (a gate_up projection repacked by AMXLinear.make_gated): each 64-column group
+// holds gate columns 32g..32g+15, up 32g..32g+15, gate 32g+16..32g+31, up 32g+16..32g+31, and the
 // GEMM writes act(gate) * up, [M, N/2], instead of [M, N]. Saves the [M, N] round trip through
 // memory and the act_and_mul call: 2,048 prompt rows of Gemma's 4,096-wide gate_up write
 // 16 MB, which act_and_mul reads back.
