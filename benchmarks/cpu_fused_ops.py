@@ -1,6 +1,9 @@
 """The C++ fused ops (flatserve/ops/cpu_ops.py) against the torch layers they replace, on the CPU:
 Gemma 3 270M shapes (hidden 640, MLP 2048, 4 q heads / 1 KV head of 256), bf16, at 16 rows (a
 decode step) and 2,048 rows (a prefill chunk); SiLU at the same shapes for Qwen3/Llama. ms per call, same inputs, same run.
+Where AMX runs, also the gate_up projection (4,096 x 640) with GELU-tanh: the AMX linear then
+act_and_mul, against the gated GEMM that applies the activation in its epilogue (min of 5 x 10
+calls each, alternated; outputs asserted equal).
 
     .venv/bin/python benchmarks/cpu_fused_ops.py
 """
@@ -45,6 +48,25 @@ def main() -> None:
         a = ms_per_call(lambda: rot(pos, qn(q), kn(k), T))
         b = ms_per_call(lambda: cpu_ops.qk_norm_rope(q, k, pos, table, qn.weight, kn.weight, 1e-6, True))
         print(f"{T} rows: q/k norm + rotary    torch {a:.3f} ms, fused {b:.3f} ms ({a / b:.1f}x)")
+        gated_gemm(T)
+
+
+def gated_gemm(T: int) -> None:
+    from flatserve.model import amx
+
+    if not amx.available(torch.bfloat16):
+        return
+    w = torch.randn(4096, 640, dtype=torch.bfloat16) * 0.05
+    x = torch.randn(T, 640, dtype=torch.bfloat16)
+    two, gated = amx.AMXLinear(w, None), amx.AMXLinear(w, None)
+    assert gated.make_gated("gelu_pytorch_tanh")
+    assert torch.equal(gated(x), cpu_ops.act_and_mul(two(x), "gelu_pytorch_tanh"))
+    a = b = float("inf")
+    for _ in range(5):
+        a = min(a, ms_per_call(lambda: cpu_ops.act_and_mul(two(x), "gelu_pytorch_tanh")))
+        b = min(b, ms_per_call(lambda: gated(x)))
+    print(f"{T} rows: gate_up + GELU-tanh   linear + act_and_mul {a:.3f} ms, gated GEMM {b:.3f} ms "
+          f"({a / b:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -83,9 +83,10 @@ class AMXLinear(nn.Module):
         the activation applied in the GEMM's epilogue with act_and_mul's maths and roundings
         (bit-identical to the two calls; csrc/amx_gemm_cpu.cpp, store_gated). Each 64-row group
         is repacked as gate 16 | up 16 | gate 16 | up 16 rows of the same output columns.
-        -> whether it took (packed, no bias, an activation it knows, N/2 a multiple of 32)."""
+        -> whether it took (packed, no bias, an activation it knows; N % 64 == 0 already makes
+        N/2 whole 32-column runs)."""
         i = self.out_features // 2
-        if self.plain or self.act or self.bias.numel() or act not in GATED_ACTS or i % 32:
+        if self.plain or self.act or self.bias.numel() or act not in GATED_ACTS:
             return False
         half = torch.arange(i).view(-1, 2, 16)  # [I/32, 2, 16]: two 16-column runs per group
         order = torch.stack([half, half + i], dim=2).reshape(-1)  # gate run, its up run, ...

@@ -102,7 +102,7 @@ class Int8GreedyHead(nn.Module):
             return self._full(x)
         pad = (-union.numel()) % 64  # the kernel takes whole 64-row groups
         idx = torch.cat([union, union[-1:].expand(pad)]) if pad else union  # ascending
-        exact = self.head.ext.linear_plain(x, self.head.rows(idx), torch.empty(0, dtype=x.dtype))
+        exact = self.head.ext.linear_plain(x, self.head.rows(idx), self.head.bias)  # no bias: empty
         # The union holds every row that can reach each token's maximum, so the first maximum
         # here is the first over the vocabulary; padding only repeats the last row after its own
         # place (clamped back onto it).
