@@ -16,7 +16,8 @@ from flatserve.engine.request import Request
 from flatserve.engine.sampler import Group, Logprobs, Sampler, accept_walk, expand
 from flatserve.engine.scheduler import SchedulerOutput
 from flatserve.model.config import ModelConfig
-from flatserve.model.layers import Attention
+from flatserve.model.cpu_stack import build as cpu_stack_build
+from flatserve.model.layers import Attention, DecoderLayers
 
 
 @dataclass(slots=True)
@@ -82,7 +83,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, backend: str,
                  graph_max_seqs: int = 0, max_model_len: int = 0, on_demand: bool = False,
-                 greedy_head: nn.Module | None = None) -> None:
+                 greedy_head: nn.Module | None = None, cpu_stack: bool = False) -> None:
         self.model, self.cfg, self.block_size = model, cfg, block_size
         self.greedy_head = greedy_head  # hidden [S', H] -> argmax tokens (model/greedy_head.py)
         self.device, self.dtype = device, dtype
@@ -98,6 +99,11 @@ class ModelRunner:
         for i, layer in enumerate(attn):
             layer.kv_cache = (self.kv[i, 0], self.kv[i, 1])  # [num_blocks, block_size, Hkv, D]
             layer.backend = self.backend
+        # CPU decode steps: the decoder layers in one C++ call where the model runs on its
+        # kernels (model/cpu_stack.py); None keeps the Python layers.
+        for m in model.modules():
+            if isinstance(m, DecoderLayers):
+                m.fast = cpu_stack_build(m, self.backend) if cpu_stack and device.type == "cpu" else None
         self.num_forward_tokens = 0  # tokens the model actually ran (prefix-cache tests read it)
         self.graphs = None
         if graph_max_seqs > 0 and dev.supports_cuda_graphs(device) and backend == "triton":

@@ -206,10 +206,10 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs
     runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend,
                          graph_max_seqs=graphs, max_model_len=budget.max_model_len, on_demand=True,
-                         greedy_head=greedy)
+                         greedy_head=greedy, cpu_stack=not cfg.enforce_eager)
     draft_runner = None if draft is None else ModelRunner(
         draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend,
-        on_demand=True)
+        on_demand=True, cpu_stack=not cfg.enforce_eager)
     state = EngineState(mcfg, src, device, dtype, backend, budget,
                         _eos_ids(mcfg, tokenizer, src), weights, fused, gemm)
     return state, tokenizer, runner, draft_runner

@@ -6,10 +6,14 @@ import torch
 from torch import nn
 
 from flatserve.model.config import ModelConfig
-from flatserve.model.layers import Attention, GatedMLP, RMSNorm
+from flatserve.model.layers import Attention, DecoderLayers, GatedMLP, RMSNorm
 
 
 class Gemma3DecoderLayer(nn.Module):
+    # The C++ decoder stack's norm roles (model/cpu_stack.py): in, attn_out, mlp_in, mlp_out.
+    stack_norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                   "post_feedforward_layernorm")
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -36,7 +40,7 @@ class Gemma3TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = DecoderLayers(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.embed_scale = cfg.hidden_size ** 0.5
 
@@ -44,10 +48,7 @@ class Gemma3TextModel(nn.Module):
         e = self.embed_tokens(input_ids)  # [T, H]
         # HF rounds the scale to the weight dtype first (matters in bf16: sqrt(640) -> 25.25).
         h = e * torch.tensor(self.embed_scale, dtype=e.dtype)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, positions)
-        return self.norm(h, residual)[0]
+        return self.norm(*self.layers(h, None, positions))[0]
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -174,6 +174,26 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class DecoderLayers(nn.ModuleList):
+    """A model's decoder layers, run in order on (h, residual). `fast`, where the runner sets
+    one (the C++ decoder stack of CPU decode steps, model/cpu_stack.py), takes the steps it
+    can: it returns None for the others, which run here."""
+
+    def __init__(self, layers: Any) -> None:
+        super().__init__(layers)
+        self.fast: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fast is not None:
+            out = self.fast(h, residual, positions)
+            if out is not None:
+                return out
+        for layer in self:
+            h, residual = layer(h, residual, positions)
+        return h, residual
+
+
 class Attention(nn.Module):
     """q/k/v projections (+ optional per-head q/k RMSNorm), rotary, then one backend call."""
 

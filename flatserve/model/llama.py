@@ -5,10 +5,13 @@ import torch
 from torch import nn
 
 from flatserve.model.config import ModelConfig
-from flatserve.model.layers import Attention, GatedMLP, RMSNorm
+from flatserve.model.layers import Attention, DecoderLayers, GatedMLP, RMSNorm
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The C++ decoder stack's norm roles (model/cpu_stack.py): in, attn_out, mlp_in, mlp_out.
+    stack_norms = ("input_layernorm", None, "post_attention_layernorm", None)
+
     def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, qk_norm)
@@ -32,14 +35,12 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qk_norm) for i in range(cfg.num_layers))
+        self.layers = DecoderLayers(LlamaDecoderLayer(cfg, i, qk_norm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h, residual = self.embed_tokens(input_ids), None  # [T, H]
-        for layer in self.layers:
-            h, residual = layer(h, residual, positions)
-        return self.norm(h, residual)[0]
+        h = self.embed_tokens(input_ids)  # [T, H]
+        return self.norm(*self.layers(h, None, positions))[0]
 
 
 class LlamaForCausalLM(nn.Module):

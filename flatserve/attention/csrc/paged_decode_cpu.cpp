@@ -586,12 +586,18 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("write_kv", &write_kv, "K and V rows into the paged caches at slot_mapping",
-          py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
-          py::arg("slot_mapping"));
-  mod.def("paged_decode", &paged_decode, "paged decode attention, KV read in place",
-          py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
-          py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("scale"), py::arg("window"),
-          py::arg("softcap"), py::arg("sinks"), py::arg("seqs") = py::none(),
-          py::arg("out") = py::none());
+  mod.def("write_kv", &write_kv, "K and V rows into the paged caches at slot_mapping");
+  mod.def("paged_decode", &paged_decode, "paged decode attention, KV read in place", py::arg("q"),
+          py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
+          py::arg("cu_seqlens_q"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
+          py::arg("sinks"), py::arg("seqs") = py::none(), py::arg("out") = py::none());
+}
+
+// For the C++ decoder stack (ops/csrc/decoder_stack_cpu.cpp), through torch's dispatcher.
+TORCH_LIBRARY_FRAGMENT(flatserve, m) {
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+        &write_kv);
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor cu_seqlens_q, float scale, int window, float softcap, Tensor sinks, Tensor? seqs, "
+        "Tensor? out) -> Tensor", &paged_decode);
 }

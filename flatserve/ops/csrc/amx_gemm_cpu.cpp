@@ -510,3 +510,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_candidates", &greedy_candidates,
         "rows of a 7-bit weight copy that may hold each x row's bf16 argmax -> (offsets, rows, union)");
 }
+
+// For the C++ decoder stack (decoder_stack_cpu.cpp), which calls it through torch's dispatcher.
+TORCH_LIBRARY_FRAGMENT(flatserve, m) {
+  m.def("amx_linear(Tensor x, Tensor w_packed, Tensor bias, int act) -> Tensor", &linear);
+}

@@ -358,3 +358,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("act_and_mul", &act_and_mul, "SiLU/GELU-tanh(gate) * up");
   mod.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + neox rotary, in place");
 }
+
+// For the C++ decoder stack (decoder_stack_cpu.cpp), which calls them through torch's dispatcher.
+TORCH_LIBRARY_FRAGMENT(flatserve, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, bool offset, Tensor(a!) residual) -> Tensor",
+        &rms_norm);
+  m.def("qk_norm_rope(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor table, Tensor q_w, "
+        "Tensor k_w, float eps, bool norm, bool offset) -> ()", &qk_norm_rope);
+}
