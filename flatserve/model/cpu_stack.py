@@ -73,7 +73,8 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
     ext = _ext()
     if ext is None:
         return None
-    stack = ext.Stack(attn.hq, attn.hkv, attn.d, ref.eps, bool(ref.offset),
+    modules = [cpu_ops.module.name, amx._ext.name, cpu_backend.kernel.name]  # the op namespaces
+    stack = ext.Stack(modules, attn.hq, attn.hkv, attn.d, ref.eps, bool(ref.offset),
                       first.mlp.gate_up_proj.act)
     ropes: list[nn.Module] = []
     for layer in layers:

@@ -593,8 +593,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("sinks"), py::arg("seqs") = py::none(), py::arg("out") = py::none());
 }
 
-// For the C++ decoder stack (ops/csrc/decoder_stack_cpu.cpp), through torch's dispatcher.
-TORCH_LIBRARY_FRAGMENT(flatserve, m) {
+// For the C++ decoder stack (ops/csrc/decoder_stack_cpu.cpp), through torch's dispatcher;
+// the op namespace is the module's name (a copy built under another name is its own).
+TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
         &write_kv);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "

@@ -512,6 +512,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 
 // For the C++ decoder stack (decoder_stack_cpu.cpp), which calls it through torch's dispatcher.
-TORCH_LIBRARY_FRAGMENT(flatserve, m) {
+// The op namespace is the module's name: a copy built under another name (an A/B) is its own.
+TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear(Tensor x, Tensor w_packed, Tensor bias, int act) -> Tensor", &linear);
 }

@@ -4,8 +4,8 @@
 // between them (module calls, views, argument conversion, one output tensor per call) took
 // ~17% of the main thread in a perf profile of decode steps (benchmarks/cpu_profile_step.py).
 // Here the same kernels run in the same order through torch's dispatcher, where each
-// registered itself (TORCH_LIBRARY_FRAGMENT in amx_gemm_cpu.cpp, fused_cpu.cpp and
-// paged_decode_cpu.cpp), so the result is bit-identical to the Python layers with those
+// registered itself under its module's name (TORCH_LIBRARY_FRAGMENT in amx_gemm_cpu.cpp,
+// fused_cpu.cpp and paged_decode_cpu.cpp), so the result is bit-identical to the Python layers with those
 // kernels (tests/test_cpu_stack.py).
 //
 // The layer, with the norms each model has (Llama / Qwen3: no attn_out and mlp_out norms):
@@ -24,26 +24,34 @@ namespace {
 
 using at::Tensor;
 
+// ns::name, registered by the kernel module `ns` (its Python module name: the op namespace).
 template <typename Sig>
-c10::TypedOperatorHandle<Sig> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+c10::TypedOperatorHandle<Sig> find_op(const std::string& ns, const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + name).c_str(), "").typed<Sig>();
 }
 
-// The kernels, looked up once (their extensions are loaded by then: cpu_stack.py builds them).
+// The kernels, looked up once (their modules are loaded by then: cpu_stack.py builds them).
+// The signatures are the kernels' own: the dispatcher checks them.
 struct Ops {
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double, bool, Tensor)> rms_norm =
-      find_op<Tensor(const Tensor&, const Tensor&, double, bool, Tensor)>("flatserve::rms_norm");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)> linear =
-      find_op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>("flatserve::amx_linear");
+  using Norm = Tensor(const Tensor&, const Tensor&, double, bool, Tensor);
+  using Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t);
   using Rope = void(Tensor, Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     double, bool, bool);
-  c10::TypedOperatorHandle<Rope> qk_norm_rope = find_op<Rope>("flatserve::qk_norm_rope");
   using WriteKv = void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&);
-  c10::TypedOperatorHandle<WriteKv> write_kv = find_op<WriteKv>("flatserve::write_kv");
   using Decode = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                         const Tensor&, double, int64_t, double, const Tensor&,
                         const c10::optional<Tensor>&, const c10::optional<Tensor>&);
-  c10::TypedOperatorHandle<Decode> paged_decode = find_op<Decode>("flatserve::paged_decode");
+  // fused: the element-wise ops' module, amx: the GEMM's, attn: the decode kernel's.
+  Ops(const std::string& fused, const std::string& amx, const std::string& attn)
+      : rms_norm(find_op<Norm>(fused, "rms_norm")), linear(find_op<Linear>(amx, "amx_linear")),
+        qk_norm_rope(find_op<Rope>(fused, "qk_norm_rope")),
+        write_kv(find_op<WriteKv>(attn, "write_kv")),
+        paged_decode(find_op<Decode>(attn, "paged_decode")) {}
+  c10::TypedOperatorHandle<Norm> rms_norm;
+  c10::TypedOperatorHandle<Linear> linear;
+  c10::TypedOperatorHandle<Rope> qk_norm_rope;
+  c10::TypedOperatorHandle<WriteKv> write_kv;
+  c10::TypedOperatorHandle<Decode> paged_decode;
 };
 
 // One layer's tensors; an absent norm or bias is an empty tensor.
@@ -57,8 +65,10 @@ struct Layer {
 
 class Stack {
  public:
-  Stack(int64_t hq, int64_t hkv, int64_t d, double eps, bool offset, int64_t act)
-      : hq_(hq), hkv_(hkv), d_(d), eps_(eps), offset_(offset), act_(act) {
+  Stack(const std::vector<std::string>& modules, int64_t hq, int64_t hkv, int64_t d, double eps,
+        bool offset, int64_t act)
+      : ops_(modules.at(0), modules.at(1), modules.at(2)), hq_(hq), hkv_(hkv), d_(d), eps_(eps),
+        offset_(offset), act_(act) {
     TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0 && d % 16 == 0 && act >= 1 && act <= 2,
                 "decoder stack: head shapes (head size a multiple of 16) and a gated activation");
   }
@@ -144,8 +154,9 @@ class Stack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack>(m, "Stack")
-      .def(py::init<int64_t, int64_t, int64_t, double, bool, int64_t>(), py::arg("hq"),
-           py::arg("hkv"), py::arg("d"), py::arg("eps"), py::arg("offset"), py::arg("act"))
+      .def(py::init<const std::vector<std::string>&, int64_t, int64_t, int64_t, double, bool,
+                    int64_t>(), py::arg("modules"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
+           py::arg("eps"), py::arg("offset"), py::arg("act"))
       .def("add", &Stack::add, "one decoder layer's tensors, in order")
       .def("__len__", &Stack::size)
       .def("forward", &Stack::forward, "(h, residual) through every layer -> [h, residual]",

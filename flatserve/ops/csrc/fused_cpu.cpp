@@ -360,7 +360,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
 }
 
 // For the C++ decoder stack (decoder_stack_cpu.cpp), which calls them through torch's dispatcher.
-TORCH_LIBRARY_FRAGMENT(flatserve, m) {
+// The op namespace is the module's name: a copy built under another name (an A/B) is its own.
+TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool offset, Tensor(a!) residual) -> Tensor",
         &rms_norm);
   m.def("qk_norm_rope(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor table, Tensor q_w, "
