@@ -25,6 +25,32 @@ inline void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
+// 16 x 16 fp32 transpose: r[i][j] -> r[j][i] (unpack ps, unpack pd, two 128-bit lane shuffles).
+inline void transpose16(__m512 r[16]) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int m = 0; m < 16; m += 4) {  // b[m + c], lane L: column 4L + c of rows m..m+3
+    b[m] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a[m]), pd(a[m + 2])));
+    b[m + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a[m]), pd(a[m + 2])));
+    b[m + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a[m + 1]), pd(a[m + 3])));
+    b[m + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a[m + 1]), pd(a[m + 3])));
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane L of b[c], b[4 + c], b[8 + c], b[12 + c]
+    const __m512 e0 = _mm512_shuffle_f32x4(b[c], b[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 e1 = _mm512_shuffle_f32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 e2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 e3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    r[c] = _mm512_shuffle_f32x4(e0, e2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + c] = _mm512_shuffle_f32x4(e0, e2, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + c] = _mm512_shuffle_f32x4(e1, e3, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + c] = _mm512_shuffle_f32x4(e1, e3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
 }  // namespace flatserve
 #endif
 

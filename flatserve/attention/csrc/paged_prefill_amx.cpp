@@ -65,26 +65,44 @@ inline const uint16_t* key_row(const uint16_t* cache, const int32_t* bt, int64_t
 // Pass 1, one 32-key group of one (run, KV head). K tile (group of 16 keys kg, dims step ks) at
 // kp + (kg * D/32 + ks) * 512: u32 word [r][n] = K[n][32 ks + 2r .. +1]. V tile (keys step kv,
 // dims tile dt) at vp + (kv * D/16 + dt) * 512: u32 word [r][n] = (V[2r][16 dt + n], V[2r + 1][..]).
+// In vector code: K as 16 x 16 transposes of u32 words, V as pairs of rows interleaved by one
+// two-source permute per 16 words. Scalar loops here took ~22% of the kernel (perf, Gemma's
+// shape: one 16-bit store per V element).
 void pack_group(const uint16_t* kc, const uint16_t* vc, const int32_t* bt, int64_t L,
                 const Run& r, int64_t h, int64_t grp, uint16_t* kp, uint16_t* vp, const Geo& g) {
   const int64_t KS = g.d / 32, DT = g.d / 16;
-  uint32_t* k32 = reinterpret_cast<uint32_t*>(kp);
-  for (int64_t i = 0; i < 32; ++i) {
+  const uint16_t* kr[32];
+  const uint16_t* vr[32];
+  for (int64_t i = 0; i < 32; ++i) {  // rows past the sequence's end pack as zeros
     const int64_t pos = r.k_lo + grp * 32 + i;
-    const int64_t kg = grp * 2 + i / 16, n = i % 16;
-    const uint16_t* kr = pos < L ? key_row(kc, bt, pos, h, g) : nullptr;
-    const uint16_t* vr = pos < L ? key_row(vc, bt, pos, h, g) : nullptr;
-    for (int64_t ks = 0; ks < KS; ++ks) {
-      uint32_t* t = k32 + (kg * KS + ks) * 256 + n;
-      for (int64_t w = 0; w < 16; ++w) {
-        uint32_t pair = 0;
-        if (kr) std::memcpy(&pair, kr + ks * 32 + 2 * w, 4);
-        t[w * 16] = pair;
-      }
-    }
-    uint16_t* v = vp + grp * DT * 512 + (i / 2) * 32 + (i % 2);
-    for (int64_t c = 0; c < g.d; ++c) v[(c / 16) * 512 + (c % 16) * 2] = vr ? vr[c] : 0;
+    kr[i] = pos < L ? key_row(kc, bt, pos, h, g) : nullptr;
+    vr[i] = pos < L ? key_row(vc, bt, pos, h, g) : nullptr;
   }
+  auto load = [](const uint16_t* row, int64_t at) {
+    return row ? _mm512_loadu_si512(row + at) : _mm512_setzero_si512();
+  };
+  for (int64_t half = 0; half < 2; ++half)
+    for (int64_t ks = 0; ks < KS; ++ks) {
+      __m512 t[16];
+      for (int n = 0; n < 16; ++n) t[n] = _mm512_castsi512_ps(load(kr[half * 16 + n], ks * 32));
+      flatserve::transpose16(t);
+      float* dst = reinterpret_cast<float*>(kp) + ((grp * 2 + half) * KS + ks) * 256;
+      for (int w = 0; w < 16; ++w) _mm512_storeu_ps(dst + w * 16, t[w]);
+    }
+  // Word n of a V tile row: (a[16 dt' + n], b[16 dt' + n]) for rows a, b and dt' the 32-dim
+  // chunk's first (lo) or second (hi) 16 dims; indices >= 32 pick from b.
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54,
+      23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  for (int64_t kv = 0; kv < 16; ++kv)
+    for (int64_t m = 0; m < g.d / 32; ++m) {
+      const __m512i a = load(vr[2 * kv], m * 32), b = load(vr[2 * kv + 1], m * 32);
+      uint16_t* dst = vp + (grp * DT + 2 * m) * 512 + kv * 32;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, il, b));
+      _mm512_storeu_si512(dst + 512, _mm512_permutex2var_epi16(a, ih, b));
+    }
 }
 
 struct Scratch {  // one thread's buffers for one work item

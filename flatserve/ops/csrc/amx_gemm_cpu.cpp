@@ -157,38 +157,12 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
 // reads the embedding table itself and prefill chunks can take oneDNN's F.linear on the same
 // tensor.
 
-// 16 x 16 fp32 transpose: r[i][j] -> r[j][i] (unpack ps, unpack pd, two 128-bit lane shuffles).
-inline void transpose16(__m512 r[16]) {
-  __m512 a[16], b[16];
-  for (int i = 0; i < 16; i += 2) {
-    a[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    a[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
-  for (int m = 0; m < 16; m += 4) {  // b[m + c], lane L: column 4L + c of rows m..m+3
-    b[m] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a[m]), pd(a[m + 2])));
-    b[m + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a[m]), pd(a[m + 2])));
-    b[m + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a[m + 1]), pd(a[m + 3])));
-    b[m + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a[m + 1]), pd(a[m + 3])));
-  }
-  for (int c = 0; c < 4; ++c) {  // gather lane L of b[c], b[4 + c], b[8 + c], b[12 + c]
-    const __m512 e0 = _mm512_shuffle_f32x4(b[c], b[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 e1 = _mm512_shuffle_f32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
-    const __m512 e2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 e3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
-    r[c] = _mm512_shuffle_f32x4(e0, e2, _MM_SHUFFLE(2, 0, 2, 0));
-    r[4 + c] = _mm512_shuffle_f32x4(e0, e2, _MM_SHUFFLE(3, 1, 3, 1));
-    r[8 + c] = _mm512_shuffle_f32x4(e1, e3, _MM_SHUFFLE(2, 0, 2, 0));
-    r[12 + c] = _mm512_shuffle_f32x4(e1, e3, _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
-
 // One spilled C tile c[w][t] (W rows n0.., tokens t0..) -> y[t0 + t][n0 + w] for t < rows.
 inline void store_transposed(const float (*c)[16], const at::BFloat16* bias, at::BFloat16* y,
                              int64_t N, int64_t rows) {
   __m512 r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c[i]);
-  transpose16(r);
+  flatserve::transpose16(r);
   const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16))
                         : _mm512_setzero_ps();
