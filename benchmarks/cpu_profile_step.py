@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/cpu_profile_step.py 1 [--quantization int8]
     .venv/bin/python benchmarks/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--attention-backend B]
         [--ngram K] [--cpu-gemm amx|onednn|torch]
-    .venv/bin/python benchmarks/cpu_profile_step.py 16 --generate
+    .venv/bin/python benchmarks/cpu_profile_step.py 16 --generate [--eager]
 
 Default model, bf16; prompts of 10..1,500 random tokens (seeded), decoding after their prefill.
 The torch profiler sees aten ops only, not our C++ extensions; --by-kernel instead times 20
@@ -12,6 +12,8 @@ steps with wall clocks around the packed linears (LM head apart) and the attenti
 `--generate`: benchmarks/offline_cpu.py's run itself (its prompts at level N, 128 tokens, one
 `LLM.generate` after its warm-up), every step timed by kernel, prompt steps and decode steps
 apart (random-token prompts draw more greedy-head candidates than that text).
+Decode steps run all layers in one C++ call (model/cpu_stack.py), timed whole; `--eager` runs
+the Python layers instead, so that each kernel is timed (enforce_eager).
 """
 from __future__ import annotations
 
@@ -37,16 +39,18 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None, help="cpu | cpu-sdpa | torch")
     ap.add_argument("--ngram", type=int, default=0, help="n-gram drafts per step (0: none)")
     ap.add_argument("--cpu-gemm", default="auto", help="amx | onednn | torch")
+    ap.add_argument("--eager", action="store_true",
+                    help="enforce_eager: decode steps run the Python layers (each kernel timed)")
     ap.add_argument("--generate", action="store_true",
                     help="by kernel over offline_cpu.py's own run, prompt and decode steps apart")
     a = ap.parse_args()
     if a.generate:
-        return _split_generate(a.n, _time_kernels())
+        return _split_generate(a.n, _time_kernels(), a.eager)
     spent = _time_kernels() if a.by_kernel else None
     spec = dict(speculative_method="ngram", num_speculative_tokens=a.ngram) if a.ngram else {}
     llm = LLM(dtype="bfloat16", max_num_seqs=a.n, max_model_len=4096, kv_cache_memory=512 * 2**20,
               quantization=a.quantization, attention_backend=a.attention_backend,
-              cpu_gemm=a.cpu_gemm, **spec)
+              cpu_gemm=a.cpu_gemm, enforce_eager=a.eager, **spec)
     eng = llm.engine
     rng = random.Random(0)
     for _ in range(a.n):
@@ -102,13 +106,13 @@ def _split_prefill(eng, spent: dict[str, float]) -> None:
     print(f"  {'everything else':28s} {wall - _outer(spent):6.3f} s")
 
 
-def _split_generate(n: int, spent: dict[str, float]) -> None:
+def _split_generate(n: int, spent: dict[str, float], eager: bool) -> None:
     """offline_cpu.py's flatserve run at n requests, each step's kernel times filed under
     "prompt" (a request still had prompt tokens when the step began) or "decode"."""
     from benchmarks.offline_cpu import make_prompts
     from flatserve import LLM, SamplingParams
 
-    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096)
+    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, enforce_eager=eager)
     eng = llm.engine
     llm.generate(make_prompts(n)[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     step = eng.step
@@ -154,8 +158,8 @@ def _time_kernels() -> dict[str, float]:
 
     spent: dict[str, float] = collections.defaultdict(float)
 
-    def wrap(cls: type, label) -> None:
-        inner = cls.forward
+    def wrap(cls: type, label, attr: str = "forward") -> None:
+        inner = getattr(cls, attr)
 
         def forward(self, *args, **kw):
             t = time.perf_counter()
@@ -163,7 +167,7 @@ def _time_kernels() -> dict[str, float]:
             spent[label(self)] += time.perf_counter() - t
             return out
 
-        cls.forward = forward
+        setattr(cls, attr, forward)
 
     in_greedy = [False]  # the greedy head's fall-backs call the bf16 head inside it
 
@@ -179,6 +183,11 @@ def _time_kernels() -> dict[str, float]:
     from flatserve.model.greedy_head import Int8GreedyHead
 
     wrap(Int8GreedyHead, lambda m: "LM head, greedy (7-bit copy)")
+    # Decode steps run every layer in one C++ call (model/cpu_stack.py), which the wrappers
+    # above do not see inside: it is timed whole (--eager splits it by kernel instead).
+    from flatserve.model.cpu_stack import CpuDecoderStack
+
+    wrap(CpuDecoderStack, lambda m: "decoder layers (C++ stack)", "__call__")
     inner_greedy = Int8GreedyHead.forward  # the timed wrapper, flagged while it runs
 
     def greedy_forward(self, x):
