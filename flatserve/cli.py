@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", default=True)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the decoder layers from Python every step (no CUDA graphs, no CPU decoder stack)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on for CUDA)")
     p.add_argument("--quantization", choices=["int8"], default=None,

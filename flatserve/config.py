@@ -29,7 +29,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # exact block count (tests)
     os_reserve_gb: float | None = None  # unified memory: RAM kept for the OS and other apps
     gpu_memory_utilization: float = 0.9  # discrete GPU: fraction of device memory to claim
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs and no CPU decoder stack (model/cpu_stack.py)
     async_scheduling: bool | None = None  # None: on for CUDA without speculation
     fused_ops: str = "auto"  # auto | none | comma list of rmsnorm,rope,act (flatserve/ops)
     quantization: str | None = None  # None | "int8" (weight-only, CPU; flatserve/model/quant.py)

@@ -106,16 +106,46 @@ void gemm_1x4(const Problem& p, int64_t g0, int64_t g1) {
   }
 }
 
+// A 2 x 2 unit's C tiles, spilled, and the epilogue rows of them still to store. gemm_2x2 runs
+// them between the next unit's tile products: run after the unit, as before, the epilogue (the
+// gated one above all: ~30 vector instructions with a divide per 16 outputs) was ~25% of a
+// 2,048-row gate_up GEMM (perf), the tile unit idle meanwhile; interleaved, the core's
+// out-of-order window runs both. Same operations on the same values: the same bits.
+struct Spill {
+  alignas(64) float c[2][2][16][16];  // [row block h][column tile j][row][column]
+  int64_t row0 = 0, col = 0;          // first row; first packed column (g * 64 + jp * 16)
+  int rows[2] = {0, 0}, done = 0;     // rows of each row block; epilogue rows stored so far
+  int total() const { return rows[0] + rows[1]; }
+};
+
+// Epilogue row i of the spill (row block i / rows[0], ...): 32 output columns (gated: 16).
+inline void spill_row(const Problem& p, const Spill& s, int i) {
+  const int h = i < s.rows[0] ? 0 : 1, r = h ? i - s.rows[0] : i;
+  const int64_t row = s.row0 + h * 16 + r;
+  if (p.act != kNone) {
+    p.store_pair(&s.c[h][0][r], &s.c[h][1][r], row, s.col, 1);
+    return;
+  }
+  for (int j = 0; j < 2; ++j)
+    store_rows(&s.c[h][j][r], p.bias_at(s.col + j * 16), p.y + row * p.N + s.col + j * 16, p.N, 1);
+}
+
+inline void spill_rows(const Problem& p, Spill& s, int upto) {
+  for (const int end = std::min(upto, s.total()); s.done < end; ++s.done) spill_row(p, s, s.done);
+}
+
 // More rows (verify steps, prefill chunks): 2 x 2 tiles, each loaded A and B tile used twice.
 // The thread's columns go in blocks of about 768 KB of weight, which stay in L2 while slabs of
 // `slab` row blocks sweep them; within a slab each half-group (32 columns) meets all its row
 // pairs in turn, from L1. A verify step's rows (<= 64) are one slab of 4, so every weight byte
 // comes from memory once; longer runs go in slabs of one row pair. x is padded to an even
-// number of row blocks.
+// number of row blocks. Each unit's epilogue runs during the next unit's k loop (Spill).
 void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
-  const int64_t M = p.M, N = p.N, K = p.K, KB = K / 32, RB = (M + 31) / 32 * 2;
+  const int64_t M = p.M, K = p.K, KB = K / 32, RB = (M + 31) / 32 * 2;
   const int64_t GB = std::max<int64_t>(1, (768 * 1024) / (KB * kGroupBytes));
-  alignas(64) float c[2][2][16][16];
+  const int per_step = static_cast<int>((32 + KB - 1) / KB);  // epilogue rows per k step
+  Spill spill[2];
+  int cur = 0;  // the spill the next unit writes; the other is pending
   for (int64_t gb = g0; gb < g1; gb += GB)
     for (int64_t r0 = 0; r0 < RB; r0 += slab)
       for (int64_t g = gb; g < std::min(g1, gb + GB); ++g)
@@ -124,6 +154,7 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
             const char* wj = p.w + g * KB * kGroupBytes + jp * 1024;
             const char* xa = p.x + rb * 16 * K * 2;
             const char* xb = xa + 16 * K * 2;
+            Spill& prev = spill[cur ^ 1];
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t kb = 0; kb < KB; ++kb) {
               const char* wk = wj + kb * kGroupBytes;
@@ -132,21 +163,20 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
               _tile_loadd(7, wk + 1024, 64); _tile_dpbf16ps(1, 4, 7);
               _tile_loadd(5, xb + kb * 64, K * 2);
               _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+              spill_rows(p, prev, prev.done + per_step);
             }
-            _tile_stored(0, c[0][0], 64); _tile_stored(1, c[0][1], 64);
-            _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
-            for (int h = 0; h < 2; ++h) {
-              const int64_t rows = std::min<int64_t>(16, M - (rb + h) * 16);
-              if (p.act != kNone) {
-                if (rows > 0) p.store_pair(c[h][0], c[h][1], (rb + h) * 16, g * 64 + jp * 16, rows);
-                continue;
-              }
-              for (int j = 0; j < 2; ++j) {
-                const int64_t col = g * 64 + (jp + j) * 16;
-                store_rows(c[h][j], p.bias_at(col), p.y + (rb + h) * 16 * N + col, N, rows);
-              }
-            }
+            spill_rows(p, prev, prev.total());
+            Spill& s = spill[cur];
+            _tile_stored(0, s.c[0][0], 64); _tile_stored(1, s.c[0][1], 64);
+            _tile_stored(2, s.c[1][0], 64); _tile_stored(3, s.c[1][1], 64);
+            s.row0 = rb * 16;
+            s.col = g * 64 + jp * 16;
+            for (int h = 0; h < 2; ++h)
+              s.rows[h] = static_cast<int>(std::clamp<int64_t>(M - (rb + h) * 16, 0, 16));
+            s.done = 0;
+            cur ^= 1;
           }
+  spill_rows(p, spill[cur ^ 1], spill[cur ^ 1].total());
 }
 
 // ---- The plain layout: W [N, K] as stored (rows contiguous), for up to 32 rows of x. ----
