@@ -50,7 +50,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-@pytest.mark.parametrize("hidden", [640, 1024, 4096])
+@pytest.mark.parametrize("hidden", [640, 1024, 4096, 200])  # 200: the CPU ops' scalar path
 def test_rms_norm(impl, dtype, offset, hidden) -> None:
     ops, dev = impl
     rms_norm = ops.rms_norm
@@ -70,7 +70,8 @@ def test_rms_norm(impl, dtype, offset, hidden) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,hq,hkv,norm,offset", [
-    (128, 16, 8, True, 0.0), (64, 8, 1, False, 0.0), (256, 4, 1, True, 1.0), (128, 32, 8, False, 0.0)])
+    (128, 16, 8, True, 0.0), (64, 8, 1, False, 0.0), (256, 4, 1, True, 1.0), (128, 32, 8, False, 0.0),
+    (40, 4, 2, True, 1.0)])  # 40: the CPU ops' scalar path (half a head not 16 lanes)
 def test_qk_norm_rope(impl, dtype, head_dim, hq, hkv, norm, offset) -> None:
     ops, dev = impl
     qk_norm_rope = ops.qk_norm_rope
@@ -90,6 +91,26 @@ def test_qk_norm_rope(impl, dtype, head_dim, hq, hkv, norm, offset) -> None:
                  1e-6, bool(offset))
     _close(q, rq, dtype)
     _close(k, rk, dtype)
+
+
+@pytest.mark.skipif(not _cpu_ops_built(), reason="the C++ fused ops did not build here")
+def test_cpu_ops_reject_mismatched_shapes() -> None:
+    """A weight or table of the wrong size, or a position past the table, raises instead of
+    reading past the end."""
+    from flatserve.ops import cpu_ops
+
+    x = torch.randn(4, 640).bfloat16()
+    with pytest.raises(RuntimeError, match="w \\[H\\]"):
+        cpu_ops.rms_norm(x, torch.ones(320).bfloat16(), 1e-6, False)
+    q, k = torch.randn(3, 4, 64).bfloat16(), torch.randn(3, 1, 64).bfloat16()
+    table, w = torch.randn(2, 16, 64), torch.ones(64).bfloat16()
+    with pytest.raises(RuntimeError, match="outside the table"):
+        cpu_ops.qk_norm_rope(q, k, torch.tensor([0, 5, 16]), table, w, w, 1e-6, False)
+    with pytest.raises(RuntimeError, match="table"):
+        cpu_ops.qk_norm_rope(q, k, torch.tensor([0, 1, 2]), table[:, :, :32].contiguous(), w, w,
+                             1e-6, False)
+    with pytest.raises(RuntimeError, match="norm weights"):
+        cpu_ops.qk_norm_rope(q, k, torch.tensor([0, 1, 2]), table, w[:32], w, 1e-6, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

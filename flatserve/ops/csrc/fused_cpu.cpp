@@ -85,6 +85,11 @@ void norm_row(const T* x, T* r, const T* w, T* y, int64_t n, float eps, bool off
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+void norm_row_bf16(const at::BFloat16* x, at::BFloat16* r, const at::BFloat16* w, at::BFloat16* y,
+                   int64_t n, float eps, bool offset, float* buf);  // below, with the vector code
+#endif
+
 template <typename T>
 void rms_norm_t(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, at::Tensor* res,
                 double eps, bool offset) {
@@ -96,9 +101,19 @@ void rms_norm_t(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, at::Ten
   const int64_t sx = x.stride(0), sr = res != nullptr ? res->stride(0) : 0;
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
     std::vector<float> buf(H);
-    for (int64_t i = b; i < e; ++i)
+    for (int64_t i = b; i < e; ++i) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (H % 16 == 0) {
+          norm_row_bf16(xp + i * sx, rp ? rp + i * sr : nullptr, wp, yp + i * H, H,
+                        static_cast<float>(eps), offset, buf.data());
+          continue;
+        }
+      }
+#endif
       norm_row<T>(xp + i * sx, rp ? rp + i * sr : nullptr, wp, yp + i * H, H,
                   static_cast<float>(eps), offset, buf.data());
+    }
   });
 }
 
@@ -135,6 +150,68 @@ void act_row(const T* g, const T* u, T* y, int64_t I) {
 inline __m512 bf16_lanes(const uint16_t* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
+// RMSNorm and q/k norm + rotary rows of bf16 in 16-lane vectors, with the generic loops'
+// roundings (the sum of squares in 16 lanes, then one reduction). GCC kept those loops on 256-bit
+// vectors with scalar reductions and remainders; a prompt step's q/k norm + rotary took ~0.9 ms
+// a layer at 2,016 tokens (~2 cycles an element, cpu_profile_step.py 16 --generate).
+inline __m512 bf16x16(const at::BFloat16* p) {
+  return bf16_lanes(reinterpret_cast<const uint16_t*>(p), static_cast<__mmask16>(0xFFFF));
+}
+inline void store_bf16x16(at::BFloat16* p, __m512 rounded) {  // exact: already bf16 values
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rounded)));
+}
+using flatserve::round_bf16;
+
+// norm_row<BFloat16> for n % 16 == 0.
+void norm_row_bf16(const at::BFloat16* x, at::BFloat16* r, const at::BFloat16* w, at::BFloat16* y,
+                   int64_t n, float eps, bool offset, float* buf) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 v = bf16x16(x + i);
+    if (r != nullptr) {
+      v = round_bf16(_mm512_add_ps(v, bf16x16(r + i)));  // torch's add rounds once
+      store_bf16x16(r + i, v);
+    }
+    _mm512_storeu_ps(buf + i, v);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(buf + i), inv), wv = bf16x16(w + i);
+    store_bf16x16(y + i, offset ? round_bf16(_mm512_mul_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), wv)))
+                                : round_bf16(_mm512_mul_ps(wv, round_bf16(v))));
+  }
+}
+
+// rope_head<BFloat16> for half % 16 == 0.
+void rope_head_bf16(at::BFloat16* h, const at::BFloat16* w, const float* cosp, const float* sinp,
+                    int64_t half, float eps, bool norm, bool offset, float* buf) {
+  const int64_t d = 2 * half;
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 v = bf16x16(h + i);
+    _mm512_storeu_ps(buf + i, v);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  if (norm) {
+    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(buf + i), inv), wv = bf16x16(w + i);
+      _mm512_storeu_ps(buf + i, offset ? round_bf16(_mm512_mul_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), wv)))
+                                       : round_bf16(_mm512_mul_ps(wv, round_bf16(v))));
+    }
+  }
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 c = round_bf16(_mm512_loadu_ps(cosp + i)), s = round_bf16(_mm512_loadu_ps(sinp + i));
+    const __m512 x1 = _mm512_loadu_ps(buf + i), x2 = _mm512_loadu_ps(buf + half + i);
+    // rnd(x1 c) + rnd(-x2 s) == rnd(x1 c) - rnd(x2 s): RNE is symmetric
+    store_bf16x16(h + i, round_bf16(_mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)),
+                                                  round_bf16(_mm512_mul_ps(x2, s)))));
+    store_bf16x16(h + half + i, round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)),
+                                                         round_bf16(_mm512_mul_ps(x1, s)))));
+  }
+}
+
 template <bool GELU>
 void act_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t I) {
   for (int64_t i = 0; i < I; i += 16) {
@@ -200,6 +277,17 @@ void rope_head(T* h, const T* w, const float* cosp, const float* sinp, int64_t h
 }
 
 template <typename T>
+void head_rope(T* h, const T* w, const float* cosp, const float* sinp, int64_t half, float eps,
+               bool norm, bool offset, float* buf) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (half % 16 == 0) return rope_head_bf16(h, w, cosp, sinp, half, eps, norm, offset, buf);
+  }
+#endif
+  rope_head<T>(h, w, cosp, sinp, half, eps, norm, offset, buf);
+}
+
+template <typename T>
 void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Tensor& cs,
                const at::Tensor& qw, const at::Tensor& kw, double eps, bool norm, bool offset) {
   const int64_t T_ = q.size(0), Hq = q.size(1), Hk = k.size(1), d = q.size(2), P = cs.size(1);
@@ -215,10 +303,10 @@ void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Te
       const float* cosp = cp + pp[t] * d;
       const float* sinp = cp + (P + pp[t]) * d;
       for (int64_t h = 0; h < Hq; ++h)
-        rope_head<T>(qp + t * q.stride(0) + h * q.stride(1), qwp, cosp, sinp, d / 2,
+        head_rope<T>(qp + t * q.stride(0) + h * q.stride(1), qwp, cosp, sinp, d / 2,
                      static_cast<float>(eps), norm, offset, buf.data());
       for (int64_t h = 0; h < Hk; ++h)
-        rope_head<T>(kp + t * k.stride(0) + h * k.stride(1), kwp, cosp, sinp, d / 2,
+        head_rope<T>(kp + t * k.stride(0) + h * k.stride(1), kwp, cosp, sinp, d / 2,
                      static_cast<float>(eps), norm, offset, buf.data());
     }
   });
@@ -313,8 +401,8 @@ void argmax_t(const at::Tensor& x, at::Tensor& out) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool offset,
                     at::Tensor residual) {
   TORCH_CHECK(x.is_cpu() && w.is_cpu(), "rms_norm: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
-              "rms_norm: x [N, H] with contiguous rows, w [H] of x's dtype");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.scalar_type() == x.scalar_type() &&
+              w.numel() == x.size(1), "rms_norm: x [N, H] with contiguous rows, w [H] of x's dtype");
   at::Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
   const bool has_res = residual.numel() > 0;
   TORCH_CHECK(!has_res || (residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type()),
@@ -340,6 +428,18 @@ void qk_norm_rope(at::Tensor q, at::Tensor k, const at::Tensor& positions, const
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && table.scalar_type() == at::kFloat &&
               table.is_contiguous() && positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "qk_norm_rope: q/k rows contiguous, fp32 table, int64 positions");
+  const int64_t d = q.size(2);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(2) == d && d % 2 == 0 && q.size(0) == k.size(0) &&
+              positions.numel() == q.size(0) && table.dim() == 3 && table.size(0) == 2 &&
+              table.size(2) == d, "qk_norm_rope: q [T, Hq, D], k [T, Hk, D], positions [T], table [2, P, D]");
+  TORCH_CHECK(!norm || (q_w.numel() == d && k_w.numel() == d && q_w.is_contiguous() && k_w.is_contiguous() &&
+                        q_w.scalar_type() == q.scalar_type() && k_w.scalar_type() == q.scalar_type()),
+              "qk_norm_rope: q/k norm weights [D] of q's dtype");
+  if (positions.numel()) {
+    const auto [lo, hi] = std::minmax_element(positions.data_ptr<int64_t>(),
+                                              positions.data_ptr<int64_t>() + positions.numel());
+    TORCH_CHECK(*lo >= 0 && *hi < table.size(1), "qk_norm_rope: positions outside the table");
+  }
   DISPATCH(q.scalar_type(), qk_rope_t<T>(q, k, positions, table, q_w, k_w, eps, norm, offset));
 }
 
