@@ -94,6 +94,25 @@ def test_qk_norm_rope(impl, dtype, head_dim, hq, hkv, norm, offset) -> None:
 
 
 @pytest.mark.skipif(not _cpu_ops_built(), reason="the C++ fused ops did not build here")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden,offset", [(640, True), (1024, False), (200, True)])
+def test_cpu_norm_pair_equals_two_norms(dtype, hidden: int, offset: bool) -> None:
+    """rms_norm_pair(x, w1, w2, residual) is rms_norm(rms_norm(x, w1), w2, residual), bits and
+    the residual's update included (200: the scalar rows)."""
+    from flatserve.ops import cpu_ops
+
+    n = random.randint(1, 300)
+    x = (torch.randn(n, hidden + 32) * 3).to(dtype)[:, :hidden]  # strided rows, as views are
+    w1, w2 = (torch.randn(hidden) * 0.5).to(dtype), (torch.randn(hidden) * 0.5).to(dtype)
+    res = (torch.randn(n, hidden) * 10).to(dtype)
+    r_ref, r_got = res.clone(), res.clone()
+    ref = cpu_ops.rms_norm(cpu_ops.rms_norm(x, w1, 1e-6, offset), w2, 1e-6, offset, r_ref)
+    got = cpu_ops.rms_norm_pair(x, w1, w2, 1e-6, offset, r_got)
+    assert torch.equal(got, ref) and torch.equal(r_got, r_ref)
+    assert not torch.equal(r_got, res)  # the residual did take the first norm's output
+
+
+@pytest.mark.skipif(not _cpu_ops_built(), reason="the C++ fused ops did not build here")
 def test_cpu_ops_reject_mismatched_shapes() -> None:
     """A weight or table of the wrong size, or a position past the table, raises instead of
     reading past the end."""
@@ -102,6 +121,11 @@ def test_cpu_ops_reject_mismatched_shapes() -> None:
     x = torch.randn(4, 640).bfloat16()
     with pytest.raises(RuntimeError, match="w \\[H\\]"):
         cpu_ops.rms_norm(x, torch.ones(320).bfloat16(), 1e-6, False)
+    with pytest.raises(RuntimeError, match="residual"):
+        cpu_ops.rms_norm(x, torch.ones(640).bfloat16(), 1e-6, False, torch.randn(2, 640).bfloat16())
+    with pytest.raises(RuntimeError, match="weights"):
+        cpu_ops.rms_norm_pair(x, torch.ones(640).bfloat16(), torch.ones(64).bfloat16(), 1e-6, False,
+                              torch.randn(4, 640).bfloat16())
     q, k = torch.randn(3, 4, 64).bfloat16(), torch.randn(3, 1, 64).bfloat16()
     table, w = torch.randn(2, 16, 64), torch.ones(64).bfloat16()
     with pytest.raises(RuntimeError, match="outside the table"):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from flatserve.model.config import ModelConfig
-from flatserve.model.layers import Attention, DecoderLayers, GatedMLP, RMSNorm
+from flatserve.model.layers import Attention, DecoderLayers, GatedMLP, RMSNorm, norm_then_add_norm
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -31,8 +31,8 @@ class Gemma3DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, positions))
-        h, residual = self.pre_feedforward_layernorm(h, residual)
+        h, residual = norm_then_add_norm(self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                                         self.self_attn(h, positions), residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 

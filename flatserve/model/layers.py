@@ -24,6 +24,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps, self.offset = eps, offset
         self.fused: Callable[..., torch.Tensor] | None = None  # flatserve.ops.enable sets it
+        self.fused_pair: Callable[..., torch.Tensor] | None = None  # and this, where it exists
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         if residual is not None:
@@ -41,6 +42,18 @@ class RMSNorm(nn.Module):
         if self.offset:  # Gemma multiplies in fp32, then casts
             return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def norm_then_add_norm(first: RMSNorm, second: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """second(first(x) + residual), residual updated: Gemma's post-attention norm, then the
+    pre-MLP norm of the running sum; one pass where the fused pair op is set (C++ on the CPU,
+    the two calls' bits), else the two norms."""
+    if first.fused_pair is not None and second.fused is not None and x.dim() == 2 \
+            and first.eps == second.eps and first.offset == second.offset:
+        return first.fused_pair(x, first.weight, second.weight, first.eps, bool(first.offset),
+                                residual), residual
+    return second(first(x), residual)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:

@@ -56,6 +56,7 @@ def enable(model: nn.Module, names: frozenset[str], backend: str) -> None:
     for m in model.modules():
         if isinstance(m, RMSNorm) and "rmsnorm" in names:
             m.fused = impl.rms_norm
+            m.fused_pair = getattr(impl, "rms_norm_pair", None)  # the C++ ops have it
         elif isinstance(m, Attention) and "rope" in names:
             m.fused = impl.qk_norm_rope
         elif isinstance(m, GatedMLP) and "act" in names and m.act_name in impl.ACTS:

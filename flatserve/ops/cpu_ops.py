@@ -27,6 +27,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool,
     return module().rms_norm(x, w, eps, offset, _EMPTY if residual is None else residual)
 
 
+def rms_norm_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, eps: float, offset: bool,
+                  residual: torch.Tensor) -> torch.Tensor:
+    """x [N, H] -> norm(residual += norm(x, w1), w2), residual in place: the two rms_norm calls'
+    bits in one pass (the first result stays in a row buffer)."""
+    return module().rms_norm_pair(x, w1, w2, eps, offset, residual)
+
+
 def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     """x [T, 2I] = gate | up -> act(gate) * up [T, I]."""
     assert act in ACTS

@@ -12,7 +12,7 @@
 //   h, res = in_norm(h + res)                    (first layer: res = h)
 //   q, k, v = split(qkv(h)); q, k = rope(qk_norm(q, k)); KV write; o = attend(q)
 //   a = attn_out_norm(o_proj(o))                 (Gemma's post_attention_layernorm)
-//   h, res = mlp_in_norm(a + res)
+//   h, res = mlp_in_norm(a + res)                (with the line above: one rms_norm_pair call)
 //   h = mlp_out_norm(down(act(gate) * up))       (the gate_up GEMM applies act in its epilogue)
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -34,6 +34,7 @@ c10::TypedOperatorHandle<Sig> find_op(const std::string& ns, const char* name) {
 // The signatures are the kernels' own: the dispatcher checks them.
 struct Ops {
   using Norm = Tensor(const Tensor&, const Tensor&, double, bool, Tensor);
+  using NormPair = Tensor(const Tensor&, const Tensor&, const Tensor&, double, bool, Tensor);
   using Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t);
   using Rope = void(Tensor, Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     double, bool, bool);
@@ -43,11 +44,14 @@ struct Ops {
                         const c10::optional<Tensor>&, const c10::optional<Tensor>&);
   // fused: the element-wise ops' module, amx: the GEMM's, attn: the decode kernel's.
   Ops(const std::string& fused, const std::string& amx, const std::string& attn)
-      : rms_norm(find_op<Norm>(fused, "rms_norm")), linear(find_op<Linear>(amx, "amx_linear")),
+      : rms_norm(find_op<Norm>(fused, "rms_norm")),
+        rms_norm_pair(find_op<NormPair>(fused, "rms_norm_pair")),
+        linear(find_op<Linear>(amx, "amx_linear")),
         qk_norm_rope(find_op<Rope>(fused, "qk_norm_rope")),
         write_kv(find_op<WriteKv>(attn, "write_kv")),
         paged_decode(find_op<Decode>(attn, "paged_decode")) {}
   c10::TypedOperatorHandle<Norm> rms_norm;
+  c10::TypedOperatorHandle<NormPair> rms_norm_pair;
   c10::TypedOperatorHandle<Linear> linear;
   c10::TypedOperatorHandle<Rope> qk_norm_rope;
   c10::TypedOperatorHandle<WriteKv> write_kv;
@@ -99,27 +103,36 @@ class Stack {
                               const Tensor& block_table, const Tensor& seq_lens,
                               const Tensor& cu_seqlens_q) {
     TORCH_CHECK(h.dim() == 2 && positions.size(0) == h.size(0), "decoder stack: h [T, H]");
+    // A norm of a layer's output that feeds straight into the next norm of the running sum
+    // (Gemma's post-attention and post-MLP norms) runs with it as one pair call: the same bits.
+    const Tensor* pending = nullptr;  // the previous layer's mlp_out norm, not yet applied
     for (const Layer& l : layers_) {
       TORCH_CHECK(l.rope < static_cast<int64_t>(tables.size()), "decoder stack: rope table missing");
       if (residual.numel() == 0) {
         residual = h;
         h = norm(h, l.in_norm);
       } else {
-        h = norm(h, l.in_norm, residual);
+        h = pending ? pair(h, *pending, l.in_norm, residual) : norm(h, l.in_norm, residual);
       }
       h = attention(h, l, positions, tables[l.rope], slot_mapping, block_table, seq_lens,
                     cu_seqlens_q);
-      if (l.attn_out_norm.numel()) h = norm(h, l.attn_out_norm);
-      h = norm(h, l.mlp_in_norm, residual);
+      h = l.attn_out_norm.numel() ? pair(h, l.attn_out_norm, l.mlp_in_norm, residual)
+                                  : norm(h, l.mlp_in_norm, residual);
       h = ops_.linear.call(ops_.linear.call(h, l.gate_up, empty_, act_), l.down, empty_, 0);
-      if (l.mlp_out_norm.numel()) h = norm(h, l.mlp_out_norm);
+      pending = l.mlp_out_norm.numel() ? &l.mlp_out_norm : nullptr;
     }
+    if (pending) h = norm(h, *pending);
     return {h, residual};
   }
 
  private:
   Tensor norm(const Tensor& x, const Tensor& w, const Tensor& residual = Tensor()) {
     return ops_.rms_norm.call(x, w, eps_, offset_, residual.defined() ? residual : empty_);
+  }
+
+  // norm(residual += norm(x) with w1) with w2; residual in place.
+  Tensor pair(const Tensor& x, const Tensor& w1, const Tensor& w2, Tensor& residual) {
+    return ops_.rms_norm_pair.call(x, w1, w2, eps_, offset_, residual);
   }
 
   // x [T, H] -> o_proj(attention) [T, H]; K and V of the step written into the layer's caches.

@@ -90,29 +90,40 @@ void norm_row_bf16(const at::BFloat16* x, at::BFloat16* r, const at::BFloat16* w
                    int64_t n, float eps, bool offset, float* buf);  // below, with the vector code
 #endif
 
+// y = norm(x) with w, or with residual r: r += x first and y = norm(r). With w2 (the pair):
+// t = norm(x) with w rounded to T as a call would store it, then r += t and y = norm(r) with w2,
+// t never leaving the row buffer (Gemma's post-attention norm, then the pre-MLP norm of the
+// running sum; or a layer's post-MLP norm, then the next layer's input norm).
 template <typename T>
-void rms_norm_t(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, at::Tensor* res,
-                double eps, bool offset) {
+void rms_norm_t(const at::Tensor& x, const at::Tensor& w, const at::Tensor* w2, at::Tensor& y,
+                at::Tensor* res, double eps, bool offset) {
   const int64_t N = x.size(0), H = x.size(1);
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
+  const T* w2p = w2 != nullptr ? w2->data_ptr<T>() : nullptr;
   T* yp = y.data_ptr<T>();
   T* rp = res != nullptr ? res->data_ptr<T>() : nullptr;
   const int64_t sx = x.stride(0), sr = res != nullptr ? res->stride(0) : 0;
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t end) {
     std::vector<float> buf(H);
-    for (int64_t i = b; i < e; ++i) {
+    std::vector<T> mid(w2p != nullptr ? H : 0);
+    auto row = [&](const T* in, T* r, const T* wr, T* out) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (H % 16 == 0) {
-          norm_row_bf16(xp + i * sx, rp ? rp + i * sr : nullptr, wp, yp + i * H, H,
-                        static_cast<float>(eps), offset, buf.data());
-          continue;
-        }
+        if (H % 16 == 0) return norm_row_bf16(in, r, wr, out, H, e, offset, buf.data());
       }
 #endif
-      norm_row<T>(xp + i * sx, rp ? rp + i * sr : nullptr, wp, yp + i * H, H,
-                  static_cast<float>(eps), offset, buf.data());
+      norm_row<T>(in, r, wr, out, H, e, offset, buf.data());
+    };
+    for (int64_t i = b; i < end; ++i) {
+      T* r = rp ? rp + i * sr : nullptr;
+      if (w2p == nullptr) {
+        row(xp + i * sx, r, wp, yp + i * H);
+      } else {
+        row(xp + i * sx, nullptr, wp, mid.data());
+        row(mid.data(), r, w2p, yp + i * H);
+      }
     }
   });
 }
@@ -405,9 +416,25 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool o
               w.numel() == x.size(1), "rms_norm: x [N, H] with contiguous rows, w [H] of x's dtype");
   at::Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
   const bool has_res = residual.numel() > 0;
-  TORCH_CHECK(!has_res || (residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type()),
+  TORCH_CHECK(!has_res || (residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
+                           residual.scalar_type() == x.scalar_type()),
               "rms_norm: residual [N, H] with contiguous rows, x's dtype");
-  DISPATCH(x.scalar_type(), rms_norm_t<T>(x, w, y, has_res ? &residual : nullptr, eps, offset));
+  DISPATCH(x.scalar_type(), rms_norm_t<T>(x, w, nullptr, y, has_res ? &residual : nullptr, eps, offset));
+  return y;
+}
+
+// norm(residual += norm(x) with w1) with w2 -> [N, H]: two rms_norm calls' results, bits
+// included, in one pass (rms_norm_t). residual [N, H] is updated in place.
+at::Tensor rms_norm_pair(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                         double eps, bool offset, at::Tensor residual) {
+  TORCH_CHECK(x.is_cpu() && w1.is_cpu() && w2.is_cpu() && residual.is_cpu(), "rms_norm_pair: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
+              residual.scalar_type() == x.scalar_type(), "rms_norm_pair: x, residual [N, H], rows contiguous");
+  for (const at::Tensor* w : {&w1, &w2})
+    TORCH_CHECK(w->is_contiguous() && w->scalar_type() == x.scalar_type() && w->numel() == x.size(1),
+                "rms_norm_pair: weights [H] of x's dtype");
+  at::Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
+  DISPATCH(x.scalar_type(), rms_norm_t<T>(x, w1, &w2, y, &residual, eps, offset));
   return y;
 }
 
@@ -455,6 +482,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("argmax_rows", &argmax_rows, "row argmax: largest, NaN first, first index among equals");
   mod.def("rms_norm", &rms_norm, "RMSNorm with an optional residual add folded in");
+  mod.def("rms_norm_pair", &rms_norm_pair, "norm(residual += norm(x, w1), w2), residual in place");
   mod.def("act_and_mul", &act_and_mul, "SiLU/GELU-tanh(gate) * up");
   mod.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + neox rotary, in place");
 }
@@ -464,6 +492,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
 TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool offset, Tensor(a!) residual) -> Tensor",
         &rms_norm);
+  m.def("rms_norm_pair(Tensor x, Tensor w1, Tensor w2, float eps, bool offset, Tensor(a!) residual) "
+        "-> Tensor", &rms_norm_pair);
   m.def("qk_norm_rope(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor table, Tensor q_w, "
         "Tensor k_w, float eps, bool norm, bool offset) -> ()", &qk_norm_rope);
 }
