@@ -215,6 +215,7 @@ def _time_kernels() -> dict[str, float]:
         setattr(mod, name, fn)
 
     wrap_fn(cpu_ops, "rms_norm", "fused rms_norm")
+    wrap_fn(cpu_ops, "rms_norm_pair", "fused rms_norm (pairs)")
     wrap_fn(cpu_ops, "act_and_mul", "fused act_and_mul")
     wrap_fn(cpu_ops, "qk_norm_rope", "fused qk_norm_rope")
     wrap_fn(cpu_backend, "_write_kv", "  of which KV write")
