@@ -64,9 +64,11 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
         return None
     first = layers[0]
     norms = getattr(first, "stack_norms", None)
-    if norms is None or not all(_fits(layer, norms) for layer in layers):
+    if norms is None:
         return None
-    ref = getattr(first, norms[0])
+    ref = getattr(first, norms[0])  # the stack takes one eps and norm offset for every norm
+    if not all(_fits(layer, norms, ref) for layer in layers):
+        return None
     attn = first.self_attn
     if not (cpu_ops.available() and cpu_backend.available() and amx.available(torch.bfloat16)):
         return None  # each loads its kernel module, registering the ops the stack calls
@@ -93,7 +95,7 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
     return CpuDecoderStack(stack, ropes, cpu_backend.MAX_KERNEL_ROWS)
 
 
-def _fits(layer: nn.Module, norms: tuple[str | None, ...]) -> bool:
+def _fits(layer: nn.Module, norms: tuple[str | None, ...], ref: nn.Module) -> bool:
     """Every kernel of this layer is the one the stack calls, with the same arguments."""
     from flatserve.model.amx import AMXLinear
     from flatserve.model.layers import RMSNorm
@@ -103,8 +105,9 @@ def _fits(layer: nn.Module, norms: tuple[str | None, ...]) -> bool:
         return False
     if getattr(a, "sinks", None) is not None:
         return False
+    if getattr(layer, "stack_norms", None) != norms:
+        return False
     rms = [getattr(layer, n) for n in norms if n] + ([a.q_norm, a.k_norm] if a.qk_norm else [])
-    ref = rms[0]
     if not all(isinstance(m, RMSNorm) and m.fused is not None and m.eps == ref.eps
                and m.offset == ref.offset for m in rms):
         return False
