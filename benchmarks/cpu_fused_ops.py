@@ -5,7 +5,11 @@ Where AMX runs, also the gate_up projection (4,096 x 640) with GELU-tanh: the AM
 act_and_mul, against the gated GEMM that applies the activation in its epilogue (min of 5 x 10
 calls each, alternated; outputs asserted equal).
 
-    .venv/bin/python benchmarks/cpu_fused_ops.py
+    .venv/bin/python benchmarks/cpu_fused_ops.py [--rev REV]
+
+--rev REV: instead, RMSNorm + residual and q/k norm + rotary of the C++ module as it is at git
+revision REV against the working tree's, built side by side, same inputs, alternated (min of 5 x
+10 calls each).
 """
 from __future__ import annotations
 
@@ -51,6 +55,32 @@ def main() -> None:
         gated_gemm(T)
 
 
+def ab(rev: str) -> None:
+    from benchmarks.cpu_decode_ab import build_at_rev
+
+    mods = {rev: build_at_rev("flatserve/ops/csrc/fused_cpu.cpp", rev, "fused_ab"),
+            "working tree": cpu_ops.module()}
+    dt = torch.bfloat16
+    torch.manual_seed(0)
+    for T in (16, 2048):
+        x, r, w = torch.randn(T, 640, dtype=dt), torch.randn(T, 640, dtype=dt), torch.randn(640, dtype=dt)
+        qkv = torch.randn(T, 6 * 256, dtype=dt)
+        table, wq, pos = Rotary(RopeConfig(theta=1e4), 256).table(T + 1), torch.randn(256, dtype=dt), torch.arange(T)
+
+        def rope(m):  # on a fresh copy: in place, repeated calls would compound
+            qk = qkv.clone()
+            m.qk_norm_rope(qk[:, :1024].view(T, 4, 256), qk[:, 1024:1280].view(T, 1, 256), pos,
+                           table, wq, wq, 1e-6, True, True)
+
+        for name, fn in (("RMSNorm + residual", lambda m: m.rms_norm(x, w, 1e-6, True, r.clone())),
+                         ("q/k norm + rotary", rope)):
+            best = {k: float("inf") for k in mods}
+            for _ in range(5):
+                for k, m in mods.items():
+                    best[k] = min(best[k], ms_per_call(lambda: fn(m)))
+            print(f"{T} rows: {name:20s} " + ", ".join(f"{k} {v:.3f} ms" for k, v in best.items()))
+
+
 def gated_gemm(T: int) -> None:
     from flatserve.model import amx
 
@@ -70,4 +100,7 @@ def gated_gemm(T: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--rev" in sys.argv:
+        ab(sys.argv[sys.argv.index("--rev") + 1])
+    else:
+        main()

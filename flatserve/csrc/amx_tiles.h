@@ -22,6 +22,9 @@ struct alignas(64) TileConfig {
 inline void load_tile_config() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  // GCC may not see _tile_loadconfig read cfg and drop the stores above (then the load faults:
+  // it did in benchmarks/cpu_amx_peak.cpp); the barrier keeps them.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
