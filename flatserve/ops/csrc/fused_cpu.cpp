@@ -54,9 +54,83 @@ template <> struct Cv<at::Half> {
   static void st(at::Half* p, int64_t i, float x) { p[i] = static_cast<at::Half>(x); }
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// Lanes k of 16 bf16 values -> fp32 (the others 0).
+inline __m512 bf16_lanes(const uint16_t* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+// bf16 RMSNorm and q/k norm + rotary rows in 16-lane vectors (norm_row and rope_head hand them
+// over), with the generic loops' roundings (the sum of squares in 16 lanes, then one reduction). GCC kept those loops on 256-bit
+// vectors with scalar reductions and remainders; a prompt step's q/k norm + rotary took ~0.9 ms
+// a layer at 2,016 tokens (~2 cycles an element, cpu_profile_step.py 16 --generate).
+inline __m512 bf16x16(const at::BFloat16* p) {
+  return bf16_lanes(reinterpret_cast<const uint16_t*>(p), static_cast<__mmask16>(0xFFFF));
+}
+inline void store_bf16x16(at::BFloat16* p, __m512 rounded) {  // exact: already bf16 values
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rounded)));
+}
+using flatserve::round_bf16;
+
+// x * inv scaled by the weight as the generic loops do: round(x inv (1 + w)) or w * round(x inv).
+inline __m512 norm_scale(__m512 x, __m512 inv, __m512 w, bool offset) {
+  const __m512 v = _mm512_mul_ps(x, inv);
+  return offset ? round_bf16(_mm512_mul_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), w)))
+                : round_bf16(_mm512_mul_ps(w, round_bf16(v)));
+}
+
+// norm_row for bf16 rows of n % 16 == 0.
+void norm_row_bf16(const at::BFloat16* x, at::BFloat16* r, const at::BFloat16* w, at::BFloat16* y,
+                   int64_t n, float eps, bool offset, float* buf) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 v = bf16x16(x + i);
+    if (r != nullptr) {
+      v = round_bf16(_mm512_add_ps(v, bf16x16(r + i)));  // torch's add rounds once
+      store_bf16x16(r + i, v);
+    }
+    _mm512_storeu_ps(buf + i, v);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16)
+    store_bf16x16(y + i, norm_scale(_mm512_loadu_ps(buf + i), inv, bf16x16(w + i), offset));
+}
+
+// rope_head for bf16 heads of half % 16 == 0.
+void rope_head_bf16(at::BFloat16* h, const at::BFloat16* w, const float* cosp, const float* sinp,
+                    int64_t half, float eps, bool norm, bool offset, float* buf) {
+  const int64_t d = 2 * half;
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 v = bf16x16(h + i);
+    _mm512_storeu_ps(buf + i, v);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  if (norm) {
+    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
+    for (int64_t i = 0; i < d; i += 16)
+      _mm512_storeu_ps(buf + i, norm_scale(_mm512_loadu_ps(buf + i), inv, bf16x16(w + i), offset));
+  }
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 c = round_bf16(_mm512_loadu_ps(cosp + i)), s = round_bf16(_mm512_loadu_ps(sinp + i));
+    const __m512 x1 = _mm512_loadu_ps(buf + i), x2 = _mm512_loadu_ps(buf + half + i);
+    // rnd(x1 c) + rnd(-x2 s) == rnd(x1 c) - rnd(x2 s): RNE is symmetric
+    store_bf16x16(h + i, round_bf16(_mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)),
+                                                  round_bf16(_mm512_mul_ps(x2, s)))));
+    store_bf16x16(h + half + i, round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)),
+                                                         round_bf16(_mm512_mul_ps(x1, s)))));
+  }
+}
+#endif
+
 // One row: [r += x]; y = norm(r or x) (w * round(x * inv), or round(x * inv * (1 + w))).
 template <typename T>
 void norm_row(const T* x, T* r, const T* w, T* y, int64_t n, float eps, bool offset, float* buf) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (n % 16 == 0) return norm_row_bf16(x, r, w, y, n, eps, offset, buf);
+  }
+#endif
   using C = Cv<T>;
   float ss = 0.f;
   if (r != nullptr) {
@@ -85,11 +159,6 @@ void norm_row(const T* x, T* r, const T* w, T* y, int64_t n, float eps, bool off
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-void norm_row_bf16(const at::BFloat16* x, at::BFloat16* r, const at::BFloat16* w, at::BFloat16* y,
-                   int64_t n, float eps, bool offset, float* buf);  // below, with the vector code
-#endif
-
 // y = norm(x) with w, or with residual r: r += x first and y = norm(r). With w2 (the pair):
 // t = norm(x) with w rounded to T as a call would store it, then r += t and y = norm(r) with w2,
 // t never leaving the row buffer (Gemma's post-attention norm, then the pre-MLP norm of the
@@ -109,11 +178,6 @@ void rms_norm_t(const at::Tensor& x, const at::Tensor& w, const at::Tensor* w2, 
     std::vector<float> buf(H);
     std::vector<T> mid(w2p != nullptr ? H : 0);
     auto row = [&](const T* in, T* r, const T* wr, T* out) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (H % 16 == 0) return norm_row_bf16(in, r, wr, out, H, e, offset, buf.data());
-      }
-#endif
       norm_row<T>(in, r, wr, out, H, e, offset, buf.data());
     };
     for (int64_t i = b; i < end; ++i) {
@@ -158,71 +222,6 @@ void act_row(const T* g, const T* u, T* y, int64_t I) {
 // of the division was 1.05 / 0.97 ms but flipped more bf16 roundings against torch's division:
 // an act one ulp off becomes two in act * up, past the tests' bar.
 // Same roundings as the generic path: act to bf16, then act * up to bf16 (RNE, cvtneps).
-inline __m512 bf16_lanes(const uint16_t* p, __mmask16 k) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
-// RMSNorm and q/k norm + rotary rows of bf16 in 16-lane vectors, with the generic loops'
-// roundings (the sum of squares in 16 lanes, then one reduction). GCC kept those loops on 256-bit
-// vectors with scalar reductions and remainders; a prompt step's q/k norm + rotary took ~0.9 ms
-// a layer at 2,016 tokens (~2 cycles an element, cpu_profile_step.py 16 --generate).
-inline __m512 bf16x16(const at::BFloat16* p) {
-  return bf16_lanes(reinterpret_cast<const uint16_t*>(p), static_cast<__mmask16>(0xFFFF));
-}
-inline void store_bf16x16(at::BFloat16* p, __m512 rounded) {  // exact: already bf16 values
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rounded)));
-}
-using flatserve::round_bf16;
-
-// norm_row<BFloat16> for n % 16 == 0.
-void norm_row_bf16(const at::BFloat16* x, at::BFloat16* r, const at::BFloat16* w, at::BFloat16* y,
-                   int64_t n, float eps, bool offset, float* buf) {
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    __m512 v = bf16x16(x + i);
-    if (r != nullptr) {
-      v = round_bf16(_mm512_add_ps(v, bf16x16(r + i)));  // torch's add rounds once
-      store_bf16x16(r + i, v);
-    }
-    _mm512_storeu_ps(buf + i, v);
-    ss = _mm512_fmadd_ps(v, v, ss);
-  }
-  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(buf + i), inv), wv = bf16x16(w + i);
-    store_bf16x16(y + i, offset ? round_bf16(_mm512_mul_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), wv)))
-                                : round_bf16(_mm512_mul_ps(wv, round_bf16(v))));
-  }
-}
-
-// rope_head<BFloat16> for half % 16 == 0.
-void rope_head_bf16(at::BFloat16* h, const at::BFloat16* w, const float* cosp, const float* sinp,
-                    int64_t half, float eps, bool norm, bool offset, float* buf) {
-  const int64_t d = 2 * half;
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) {
-    const __m512 v = bf16x16(h + i);
-    _mm512_storeu_ps(buf + i, v);
-    ss = _mm512_fmadd_ps(v, v, ss);
-  }
-  if (norm) {
-    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(buf + i), inv), wv = bf16x16(w + i);
-      _mm512_storeu_ps(buf + i, offset ? round_bf16(_mm512_mul_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), wv)))
-                                       : round_bf16(_mm512_mul_ps(wv, round_bf16(v))));
-    }
-  }
-  for (int64_t i = 0; i < half; i += 16) {
-    const __m512 c = round_bf16(_mm512_loadu_ps(cosp + i)), s = round_bf16(_mm512_loadu_ps(sinp + i));
-    const __m512 x1 = _mm512_loadu_ps(buf + i), x2 = _mm512_loadu_ps(buf + half + i);
-    // rnd(x1 c) + rnd(-x2 s) == rnd(x1 c) - rnd(x2 s): RNE is symmetric
-    store_bf16x16(h + i, round_bf16(_mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)),
-                                                  round_bf16(_mm512_mul_ps(x2, s)))));
-    store_bf16x16(h + half + i, round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)),
-                                                         round_bf16(_mm512_mul_ps(x1, s)))));
-  }
-}
-
 template <bool GELU>
 void act_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t I) {
   for (int64_t i = 0; i < I; i += 16) {
@@ -260,6 +259,11 @@ void act_mul_t(const at::Tensor& x, at::Tensor& y, bool gelu) {
 template <typename T>
 void rope_head(T* h, const T* w, const float* cosp, const float* sinp, int64_t half, float eps,
                bool norm, bool offset, float* buf) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (half % 16 == 0) return rope_head_bf16(h, w, cosp, sinp, half, eps, norm, offset, buf);
+  }
+#endif
   using C = Cv<T>;
   const int64_t d = 2 * half;
   float ss = 0.f;
@@ -288,17 +292,6 @@ void rope_head(T* h, const T* w, const float* cosp, const float* sinp, int64_t h
 }
 
 template <typename T>
-void head_rope(T* h, const T* w, const float* cosp, const float* sinp, int64_t half, float eps,
-               bool norm, bool offset, float* buf) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (half % 16 == 0) return rope_head_bf16(h, w, cosp, sinp, half, eps, norm, offset, buf);
-  }
-#endif
-  rope_head<T>(h, w, cosp, sinp, half, eps, norm, offset, buf);
-}
-
-template <typename T>
 void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Tensor& cs,
                const at::Tensor& qw, const at::Tensor& kw, double eps, bool norm, bool offset) {
   const int64_t T_ = q.size(0), Hq = q.size(1), Hk = k.size(1), d = q.size(2), P = cs.size(1);
@@ -314,10 +307,10 @@ void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Te
       const float* cosp = cp + pp[t] * d;
       const float* sinp = cp + (P + pp[t]) * d;
       for (int64_t h = 0; h < Hq; ++h)
-        head_rope<T>(qp + t * q.stride(0) + h * q.stride(1), qwp, cosp, sinp, d / 2,
+        rope_head<T>(qp + t * q.stride(0) + h * q.stride(1), qwp, cosp, sinp, d / 2,
                      static_cast<float>(eps), norm, offset, buf.data());
       for (int64_t h = 0; h < Hk; ++h)
-        head_rope<T>(kp + t * k.stride(0) + h * k.stride(1), kwp, cosp, sinp, d / 2,
+        rope_head<T>(kp + t * k.stride(0) + h * k.stride(1), kwp, cosp, sinp, d / 2,
                      static_cast<float>(eps), norm, offset, buf.data());
     }
   });
