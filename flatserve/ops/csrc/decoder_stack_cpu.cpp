@@ -92,8 +92,6 @@ class Stack {
                             cache[0], cache[1], scale, softcap, window, rope});
   }
 
-  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
-
   // h [T, H] (the embeddings, or the previous layer's output); residual [T, H] or empty (then
   // the first layer starts it from h, in place afterwards); positions int64 [T]; tables: the
   // step's fp32 [2, P, D] cos|sin per rope; the rest the step's attention metadata.
@@ -171,7 +169,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t>(), py::arg("modules"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
            py::arg("eps"), py::arg("offset"), py::arg("act"))
       .def("add", &Stack::add, "one decoder layer's tensors, in order")
-      .def("__len__", &Stack::size)
       .def("forward", &Stack::forward, "(h, residual) through every layer -> [h, residual]",
            py::call_guard<py::gil_scoped_release>());
 }
