@@ -31,6 +31,7 @@
 
 #include "amx_tiles.h"
 #include "cpu_math.h"
+#include "decode_bf16.h"
 #include "seq_list.h"
 
 #if defined(__AVX512BF16__)
@@ -38,6 +39,14 @@
 #endif
 
 namespace {
+
+#if defined(__AVX512BF16__)
+using flatserve::decode::scores_bf16;
+#endif
+#if defined(__AVX512F__)
+using flatserve::decode::pv_bf16_split;
+using flatserve::decode::split_acc_index;
+#endif
 
 // 16 fp32 lanes as one value (cpu_math.h). Written out because the plain loops below it ran at
 // ~4 FMAs per cycle (the compiler kept the accumulators in memory); head sizes are multiples of
@@ -92,112 +101,6 @@ inline void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc
     for (int j = 0; j < G; ++j) sc[j * bs + i] = hsum(s[i][j]);
 }
 
-#if defined(__AVX512BF16__)
-// Sums of 16 vectors in one: 45 shuffles and adds against 16 horizontal reductions (~10
-// dependent instructions each, every 4 keys x 4 heads). Lane l holds the sum of v[kPerm[l]]
-// (scores_bf16's table).
-inline __m512 reduce16(const __m512* v) {
-  __m512 r[8], s[4], u[2];
-  for (int i = 0; i < 8; ++i)  // 256-bit halves: v[i]'s partial sums low, v[i + 8]'s high
-    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
-                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
-  for (int i = 0; i < 4; ++i)  // 128-bit quarters
-    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[i], r[i + 4], 0x88),
-                         _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i)  // pairs within quarters
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[i], s[i + 2], 0x44), _mm512_shuffle_ps(s[i], s[i + 2], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
-}
-
-inline __m128 extract4(__m512 r, int j) {
-  switch (j) {
-    case 0: return _mm512_extractf32x4_ps(r, 0);
-    case 1: return _mm512_extractf32x4_ps(r, 1);
-    case 2: return _mm512_extractf32x4_ps(r, 2);
-    default: return _mm512_extractf32x4_ps(r, 3);
-  }
-}
-
-// bf16 caches on CPUs with AVX512-BF16: vdpbf16ps multiplies bf16 pairs straight from the
-// cache and accumulates in fp32 (32 elements per instruction, no conversion of K), the
-// products exact in fp32 as in the generic path; only the order of the fp32 sums differs.
-template <int G, int NK>
-inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t rs, int64_t d,
-                        float* sc, int64_t bs) {
-  __m512 s[NK][G];
-  for (int i = 0; i < NK; ++i)
-    for (int j = 0; j < G; ++j) s[i][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d; c += 32) {
-    __m512bh kv[NK];
-    for (int i = 0; i < NK; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(k + i * rs + c);
-    for (int j = 0; j < G; ++j) {
-      const __m512bh qj = (__m512bh)_mm512_loadu_si512(q + j * d + c);
-      for (int i = 0; i < NK; ++i) s[i][j] = _mm512_dpbf16_ps(s[i][j], qj, kv[i]);
-    }
-  }
-  if constexpr (NK == 4 && G == 4) {
-    // Lane l of reduce16's result sums input kPerm[l]; feeding s[i][j] as input kPerm[4j + i]
-    // puts head j's four scores in lanes 4j..4j+3.
-    constexpr int kPerm[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-    __m512 in[16];
-    for (int l = 0; l < 16; ++l) in[kPerm[l]] = s[l % 4][l / 4];
-    const __m512 r = reduce16(in);
-    for (int j = 0; j < 4; ++j) _mm_storeu_ps(sc + j * bs, extract4(r, j));
-  } else {
-    for (int i = 0; i < NK; ++i)
-      for (int j = 0; j < G; ++j) sc[j * bs + i] = _mm512_reduce_add_ps(s[i][j]);
-  }
-}
-#endif
-
-#if defined(__AVX512F__)
-// bf16 P V with V widened 32 values at a time by one shift (even elements) and one mask (odd
-// ones), against a zero-extend and a shift per 16: the accumulators of each 32-dim chunk hold
-// its even dims, then its odd ones (split_acc_index). For G <= 4 the same products in the same
-// order of sums as the generic loop, so the same bits; G = 8 sums its keys in one chain.
-inline int64_t split_acc_index(int64_t e) { return (e & ~int64_t{31}) + (e & 1) * 16 + (e & 31) / 2; }
-
-template <int G>
-inline void pv_bf16_split(const uint16_t* vb, int64_t rs, int64_t t0, int64_t t1, int64_t d,
-                          int64_t bs, const float* corr, float* acc, const float* sc) {
-  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  auto even = [](__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); };
-  auto odd = [&](__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, hi)); };
-  for (int64_t c = 0; c < d; c += 32) {
-    __m512 ae[G], ao[G], be[G], bo[G];
-    for (int j = 0; j < G; ++j) {
-      const __m512 cj = _mm512_set1_ps(corr[j]);
-      ae[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * d + c), cj);
-      ao[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * d + c + 16), cj);
-      be[j] = bo[j] = _mm512_setzero_ps();
-    }
-    int64_t i = t0;
-    // G = 8 (packed rows): one accumulator pair per head, the registers hold no more.
-    for (; G <= 4 && i + 2 <= t1; i += 2) {
-      const __m512i w0 = _mm512_loadu_si512(vb + i * rs + c);
-      const __m512i w1 = _mm512_loadu_si512(vb + (i + 1) * rs + c);
-      const __m512 e0 = even(w0), o0 = odd(w0), e1 = even(w1), o1 = odd(w1);
-      for (int j = 0; j < G; ++j) {
-        const __m512 p0 = _mm512_set1_ps(sc[j * bs + i]), p1 = _mm512_set1_ps(sc[j * bs + i + 1]);
-        ae[j] = _mm512_fmadd_ps(p0, e0, ae[j]); ao[j] = _mm512_fmadd_ps(p0, o0, ao[j]);
-        be[j] = _mm512_fmadd_ps(p1, e1, be[j]); bo[j] = _mm512_fmadd_ps(p1, o1, bo[j]);
-      }
-    }
-    for (; i < t1; ++i) {
-      const __m512i w0 = _mm512_loadu_si512(vb + i * rs + c);
-      const __m512 e0 = even(w0), o0 = odd(w0);
-      for (int j = 0; j < G; ++j) {
-        const __m512 p0 = _mm512_set1_ps(sc[j * bs + i]);
-        ae[j] = _mm512_fmadd_ps(p0, e0, ae[j]); ao[j] = _mm512_fmadd_ps(p0, o0, ao[j]);
-      }
-    }
-    for (int j = 0; j < G; ++j) {
-      _mm512_storeu_ps(acc + j * d + c, _mm512_add_ps(ae[j], be[j]));
-      _mm512_storeu_ps(acc + j * d + c + 16, _mm512_add_ps(ao[j], bo[j]));
-    }
-  }
-}
-#endif
 
 // Whether attend's accumulators for T and head size d are in pv_bf16_split's order (every
 // block_step then writes them so, whatever its G).
@@ -210,28 +113,59 @@ inline bool split_acc(int64_t d) {
 #endif
 }
 
+// The next block's K and V rows of one KV head, asked for ahead of use: blocks sit at random
+// places in the pool, so the hardware prefetcher restarts on every one of them. block_step
+// spreads the asks over its score loop, a few rows per group of keys, instead of all 16 KB (at
+// Gemma's head of 256) at the block's start: a burst of 512 prefetches filled the core's
+// line-fill buffers and stalled the scores behind them. 18 layers of a captured 16-request
+// decode step (scratch replay, ~11 MB read between layers as the linears do): 9.1 -> 8.6 ms;
+// `benchmarks/cpu_decode_ab.py --layers 18 --sequential --cold`: 12.26 -> 11.52 ms full,
+// 7.70 -> 7.31 windowed (verify runs on AMX scores keep the burst: unchanged).
+template <typename T>
+struct Ahead {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  int64_t rs = 0, bytes = 0, rows = 0, done = 0;
+  void upto(int64_t r) {  // rows [done, r) of the next block
+    for (r = std::min(r, rows); done < r; ++done)
+      for (int64_t o = 0; o < bytes; o += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k + done * rs) + o);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + done * rs) + o);
+      }
+  }
+};
+
 // One block's rows t0..t1 for G query heads (starting at head j0 of the group): scores, online
 // softmax update of (mx, den), then acc = acc * corr + weights . V, one 16-lane slice of the G
 // accumulators held across the block's rows, each V slice loaded and converted once.
 // With `scored`, sc already holds the raw scores (the AMX path below) and only the softmax and
-// P V run.
+// P V run. The next block's rows are asked for by the time the scores are done (`ahead`).
 template <typename T, int G>
 void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t rs, int64_t t0,
                 int64_t t1, const Dims& m, float* mx, float* den, float* acc, float* sc,
-                bool scored = false) {
+                Ahead<T>& ahead, bool scored = false) {
   const int64_t d = m.d, bs = m.bs;
   constexpr int NK = G > 4 ? 2 : 4;  // NK x G score accumulators stay within the 32 registers
   int64_t t = scored ? t1 : t0;
+  // The next block's share of rows for keys t0..t + NK of this one.
+  auto share = [&](int64_t key) { return ((key + NK - t0) * ahead.rows + t1 - t0 - 1) / (t1 - t0); };
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (d % 32 == 0) {
-      for (; t + NK <= t1; t += NK) scores_bf16<G, NK>(q, kb + t * rs, rs, d, sc + t, bs);
+      for (; t + NK <= t1; t += NK) {
+        ahead.upto(share(t));
+        scores_bf16<G, NK>(q, kb + t * rs, rs, d, sc + t, bs);
+      }
       for (; t < t1; ++t) scores_bf16<G, 1>(q, kb + t * rs, rs, d, sc + t, bs);
     }
   }
 #endif
-  for (; t + NK <= t1; t += NK) scores<T, G, NK>(qf, kb + t * rs, rs, d, sc + t, bs);
+  for (; t + NK <= t1; t += NK) {
+    ahead.upto(share(t));
+    scores<T, G, NK>(qf, kb + t * rs, rs, d, sc + t, bs);
+  }
   for (; t < t1; ++t) scores<T, G, 1>(qf, kb + t * rs, rs, d, sc + t, bs);
+  ahead.upto(ahead.rows);
   float corr[G];
 #if defined(__AVX512F__)
   if (bs == 16 && m.softcap <= 0.f) {  // one vector per head: the scalar loops below cost more
@@ -297,18 +231,6 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
     }
     for (int j = 0; j < G; ++j) st(acc + j * d + c, a[j] + b[j]);
   }
-}
-
-// Asks for a block's K and V rows of one KV head ahead of use: blocks sit at random places in
-// the pool, so the hardware prefetcher restarts on every one of them.
-template <typename T>
-inline void prefetch_block(const T* k, const T* v, int64_t rs, int64_t rows, int64_t d) {
-  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t o = 0; o < bytes; o += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(k + t * rs) + o);
-      __builtin_prefetch(reinterpret_cast<const char*>(v + t * rs) + o);
-    }
 }
 
 #ifdef FLATSERVE_AMX
@@ -392,12 +314,17 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
   for (int64_t b = lo(len - n + 1) / bs; b < b_end; ++b) {
     const T* kb = kc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
     const T* vb = vc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
+    Ahead<T> ahead;  // the first block_step of this block asks for the next one's rows
     if (b + 1 < b_end) {
       const int64_t nb = static_cast<int64_t>(table[b + 1]) * bs * m.hkv + h;
-      prefetch_block(kc + nb * d, vc + nb * d, rs, std::min(bs, len - (b + 1) * bs), d);
+      ahead = {kc + nb * d, vc + nb * d, rs, d * static_cast<int64_t>(sizeof(T)),
+               std::min(bs, len - (b + 1) * bs), 0};
     }
 #ifdef FLATSERVE_AMX
-    if (amx) amx_scores(reinterpret_cast<const at::BFloat16*>(kb), rs, d, bs, qt, sc);
+    if (amx) {
+      ahead.upto(ahead.rows);
+      amx_scores(reinterpret_cast<const at::BFloat16*>(kb), rs, d, bs, qt, sc);
+    }
 #endif
     auto span = [&](int64_t r) {  // this block's keys that row r sees, as [t0, t1) in the block
       const int64_t lr = len - n + r + 1;  // keys the row sees: [lo(lr), lr)
@@ -410,7 +337,7 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
       if (pack > 1 && r + pack <= n && span(r + pack - 1) == span(r)) {  // rows r..r+pack-1 alike
         const int64_t i = r * g;
         block_step<T, 8>(qc + i * d, qf + i * d, kb, vb, rs, t0, t1, m, &mx[i], &den[i], acc + i * d,
-                         sc + (amx ? i * bs : 0), amx);
+                         sc + (amx ? i * bs : 0), ahead, amx);
         r += pack - 1;
         continue;
       }
@@ -420,10 +347,10 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
         const float* qj = qf + i * d;
         const T* qr = qc + i * d;
         float* si = sc + (amx ? i * bs : 0);
-        if (c == 4) block_step<T, 4>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, amx);
-        else if (c == 3) block_step<T, 3>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, amx);
-        else if (c == 2) block_step<T, 2>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, amx);
-        else block_step<T, 1>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, amx);
+        if (c == 4) block_step<T, 4>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, ahead, amx);
+        else if (c == 3) block_step<T, 3>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, ahead, amx);
+        else if (c == 2) block_step<T, 2>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, ahead, amx);
+        else block_step<T, 1>(qr, qj, kb, vb, rs, t0, t1, m, &mx[i], &den[i], a, si, ahead, amx);
         j += c;
       }
     }

@@ -185,7 +185,7 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
 // (2.6-8 MB at 2,048 rows), and the norms that follow, which split rows the same way
 // (at::parallel_for's equal ranges), find their rows in their own core's caches instead of half
 // of each row in the other core's L2. Gemma's 18 layers of linears and norm pairs
-// (benchmarks/cpu_layer_ab.py --rev 1bd1e3c): 187.5 -> 174.8 ms at 2,048 rows, 96.0 -> 92.5 at
+// (benchmarks/cpu_layer_ab.py --rev c3b7fb3): 187.5 -> 174.8 ms at 2,048 rows, 96.0 -> 92.5 at
 // 1,024. The GEMMs alone gain ~3% at 2,048 rows and lose below 1,024 (0.89x at 256; scratch
 // sweep). Same tile products in the same order per output: the same bits as the column split.
 constexpr int64_t kRowSplit = 1024;
