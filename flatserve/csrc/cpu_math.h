@@ -52,9 +52,8 @@ inline f32x16 bf16x16_to_f32(const uint16_t* p) {
 #if defined(__AVX512F__)
 // exp of 16 lanes: exp_poly's polynomial with AVX-512's scalef for the 2^i (x clamped below
 // at -87 as there; above, scalef saturates to inf instead of wrapping).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+// 2^t for t >= -125.5 (t = x log2 e below); callers clamp.
+inline __m512 exp2_16_unclamped(__m512 t) {
   const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, fi);
   __m512 p = _mm512_set1_ps(2.1871262307292775e-4f);
@@ -66,6 +65,15 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000006158204f));
   return _mm512_scalef_ps(p, fi);
 }
+
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  return exp2_16_unclamped(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)));
+}
+
+// 2^t, t clamped below at -125.5 (exp16's -87 in base 2): for callers that fold log2 e into
+// an FMA they need anyway (a softmax's scale and shift).
+inline __m512 exp2_16(__m512 t) { return exp2_16_unclamped(_mm512_max_ps(t, _mm512_set1_ps(-125.5f))); }
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

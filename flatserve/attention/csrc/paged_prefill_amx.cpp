@@ -133,49 +133,66 @@ void scores(Scratch& w, const uint16_t* kp, int64_t pj, int64_t bk, const Geo& g
   }
 }
 
-using flatserve::exp16;
-
 // Lanes c..c + 15 of a step that fall inside [a, b).
 inline __mmask16 lanes(int64_t c, int64_t a, int64_t b) {
   const int64_t lo = std::clamp<int64_t>(a - c, 0, 16), hi = std::clamp<int64_t>(b - c, 0, 16);
   return static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
 }
 
-// Online softmax of row m's scores over keys [a, b) of the step (the rest masked): P row in
-// bf16, running max and sum updated, O row rescaled when the max moved. Written in intrinsics:
-// as plain loops GCC kept the max and the sum as serial scalar chains (no -ffast-math), ~4
-// cycles a score.
-void softmax_row(Scratch& w, int64_t m, int64_t a, int64_t b, int64_t bk, const Geo& g) {
-  float* s = w.s + m * bk;
-  uint16_t* p = w.p + m * bk;
+// Online softmax of rows m0..m0 + R - 1 (one token's query heads: the same keys visible) over
+// keys [a, b) of the step (the rest masked): P rows in bf16, running max and sum updated, O rows
+// rescaled where the max moved. Written in intrinsics: as plain loops GCC kept the max and the
+// sum as serial scalar chains (no -ffast-math), ~4 cycles a score. The R rows go side by side,
+// so that each chain (max, sum) has R independent neighbours and the masks are made once. The
+// max is taken over the raw scores (scale > 0 and rounding is monotonic: the same bits as the
+// max of the scaled ones), and exp(s scale - max) as 2^(s (scale log2 e) - max log2 e), one FMA;
+// vectors wholly inside [a, b) skip the mask. Row by row, without these, the softmax was ~1/3 of
+// the kernel (scratch runs with each phase left out); benchmarks/cpu_prefill_ab.py for the A/B.
+template <int R>
+void softmax_rows(Scratch& w, int64_t m0, int64_t a, int64_t b, int64_t bk, const Geo& g) {
   if (a >= b) {
-    std::memset(p, 0, bk * 2);
+    std::memset(w.p + m0 * bk, 0, R * bk * 2);
     return;
   }
-  const __m512 scale = _mm512_set1_ps(g.scale);
-  __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t c = a / 16 * 16; c < b; c += 16)
-    vmx = _mm512_mask_max_ps(vmx, lanes(c, a, b), vmx, _mm512_mul_ps(_mm512_loadu_ps(s + c), scale));
-  const float m_new = std::max(w.m[m], _mm512_reduce_max_ps(vmx));
-  const __m512 shift = _mm512_set1_ps(m_new);
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t c = 0; c < bk; c += 16) {
+  const float* s = w.s + m0 * bk;
+  uint16_t* p = w.p + m0 * bk;
+  __m512 vmx[R], vsum[R], k2 = _mm512_set1_ps(g.scale * 1.4426950408889634f), shift[R];
+  for (int r = 0; r < R; ++r) vmx[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t c = a / 16 * 16; c < b; c += 16) {
     const __mmask16 k = lanes(c, a, b);
-    __m512 e = _mm512_setzero_ps();
-    if (k) e = _mm512_maskz_mov_ps(k, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + c), scale, shift)));
-    vsum = _mm512_add_ps(vsum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    for (int r = 0; r < R; ++r) vmx[r] = _mm512_mask_max_ps(vmx[r], k, vmx[r], _mm512_loadu_ps(s + r * bk + c));
   }
-  if (m_new != w.m[m]) {
-    const float alpha = w.m[m] == -std::numeric_limits<float>::infinity()
-                            ? 0.f : flatserve::exp_poly(w.m[m] - m_new);
-    const __m512 va = _mm512_set1_ps(alpha);
-    float* o = w.o + m * g.d;
-    for (int64_t c = 0; c < g.d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), va));
-    w.l[m] *= alpha;
-    w.m[m] = m_new;
+  float m_new[R];
+  for (int r = 0; r < R; ++r) {
+    m_new[r] = std::max(w.m[m0 + r], _mm512_reduce_max_ps(vmx[r]) * g.scale);
+    shift[r] = _mm512_set1_ps(m_new[r] * 1.4426950408889634f);
+    vsum[r] = _mm512_setzero_ps();
   }
-  w.l[m] += _mm512_reduce_add_ps(vsum);
+  for (int64_t c = 0; c < bk; c += 16) {
+    const bool whole = c >= a && c + 16 <= b;
+    const __mmask16 k = whole ? static_cast<__mmask16>(0xFFFF) : lanes(c, a, b);
+    for (int r = 0; r < R; ++r) {
+      __m512 e = _mm512_setzero_ps();
+      if (k) e = flatserve::exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + r * bk + c), k2, shift[r]));
+      if (!whole) e = _mm512_maskz_mov_ps(k, e);
+      vsum[r] = _mm512_add_ps(vsum[r], e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * bk + c),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    // O and l are still zero before the row's first visible key: nothing to rescale (and no
+    // vector stores for the next tile loads of O to wait on).
+    if (m_new[r] != w.m[m] && w.m[m] != -std::numeric_limits<float>::infinity()) {
+      const __m512 va = _mm512_set1_ps(flatserve::exp_poly(w.m[m] - m_new[r]));
+      float* o = w.o + m * g.d;
+      for (int64_t c = 0; c < g.d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), va));
+      w.l[m] *= va[0];
+    }
+    w.m[m] = m_new[r];
+    w.l[m] += _mm512_reduce_add_ps(vsum[r]);
+  }
 }
 
 // O[32, D] += P[32, bk] V over packed keys pj..; O spilled per 2 x 2 tile group.
@@ -217,11 +234,16 @@ void attend_block(Scratch& w, const uint16_t* q, uint16_t* out, const uint16_t* 
     const int64_t bk = std::min(kKeys, (last + 1 - r.k_lo - pj + 31) / 32 * 32);
     scores(w, kp, pj, bk, g);
     const int64_t base = r.k_lo + pj;  // position of the step's first key
-    for (int64_t m = 0; m < kRows; ++m) {
-      if (m >= M) { std::memset(w.p + m * bk, 0, bk * 2); continue; }
+    // Rows in runs of R of one token (R: 4, 2 or 1, dividing g and so each token's rows).
+    const int64_t R = g.g % 4 == 0 ? 4 : g.g % 2 == 0 ? 2 : 1;
+    for (int64_t m = 0; m < kRows; m += R) {
+      if (m >= M) { std::memset(w.p + m * bk, 0, R * bk * 2); continue; }
       const int64_t pos = first + m / g.g;
       const int64_t a = g.window > 0 ? std::max<int64_t>(0, pos - g.window + 1 - base) : 0;
-      softmax_row(w, m, a, std::min(bk, pos + 1 - base), bk, g);
+      const int64_t b = std::min(bk, pos + 1 - base);
+      if (R == 4) softmax_rows<4>(w, m, a, b, bk, g);
+      else if (R == 2) softmax_rows<2>(w, m, a, b, bk, g);
+      else softmax_rows<1>(w, m, a, b, bk, g);
     }
     accumulate(w, vp, pj, bk, g);
   }
