@@ -9,8 +9,9 @@ benchmarks/cpu_greedy_head.py). The bf16 kernel itself then computes those rows,
 the one `row_argmax(lm_head(x))` gives, ties included: the bounds are rigorous, not statistical.
 
 The copy is 7-bit (q in [-63, 63], stored as q + 64): the kernel turns a byte u into the bf16 of
-128 + u with one OR, where a full int8 needs four conversions per 16 weights (an int8 version,
-rows in their own layout, ran 8.7 ms against ~6.3 for the bytes alone). 7 bits double the
+128 + u by pairing it with the byte 0x43 (one unpack per 32 weights), where a full int8 needs
+four conversions per 16 weights (an int8 version, rows in their own layout, ran 8.7 ms against
+~6.3 for the bytes alone). 7 bits double the
 quantization error and with it the candidates (~53 -> ~200 a token); gathering and rescoring a
 few hundred to ~2,000 rows takes 0.1-0.4 ms a step.
 
@@ -60,6 +61,17 @@ def quantize_7bit(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, tor
     return u, s, c * (1 + 2.0**-16)
 
 
+def greedy_layout(u: torch.Tensor) -> torch.Tensor:
+    """u [N, K] -> the kernel's order, [N, K] in memory: [N/64, K/32] pieces of 64 rows x 32 k,
+    each 64-row group's pieces one contiguous stream; inside a piece, per row pair (r, r + 1)
+    and 8-k chunk j, u[r][8j:8j+8] then u[r + 1][8j:8j+8] (the kernel's byte unpack,
+    ops/csrc/amx_gemm_cpu.cpp `u7_piece_to_bf16`, turns that into rows r and r + 1 in bf16)."""
+    n, k = u.shape
+    pieces = u.reshape(n // 64, 64, k // 32, 32).transpose(1, 2)  # [G, K/32, 64, 32]
+    pairs = pieces.reshape(n // 64, k // 32, 32, 2, 4, 8).transpose(3, 4)  # [.., pair, chunk, row, 8]
+    return pairs.contiguous().reshape(n, k)
+
+
 def x_stats(x: torch.Tensor) -> torch.Tensor:
     """[2, M] fp32: |x_t|_1 rounded up for its own K-term sum, and sum(x_t)."""
     xf = x.float()
@@ -77,9 +89,7 @@ class Int8GreedyHead(nn.Module):
         w = head.plain_weight()  # [N, K] bf16 (a view, or a transient unpacked copy)
         u, s, c = quantize_7bit(w)
         n, k = u.shape
-        # [N/64, K/32, 64, 32]: each 64-row group's 32-k pieces one contiguous stream
-        self.register_buffer("qweight", u.reshape(n // 64, 64, k // 32, 32).transpose(1, 2)
-                             .contiguous().reshape(n, k))  # uint8: q + 64
+        self.register_buffer("qweight", greedy_layout(u))  # uint8: q + 64
         self.register_buffer("scales", s)  # [N] fp32
         self.register_buffer("bounds", c)  # [N] fp32
         self.calls = self.fallbacks = 0  # calls, and those the bf16 head answered

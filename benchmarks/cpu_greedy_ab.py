@@ -1,0 +1,87 @@
+"""The greedy head's candidate kernel at a git revision against the working tree's, on the
+default model's LM head, each call cold, alternated in one process (this box drifts +-10-25%
+between runs; median and min of --rounds). Prints the candidates a row too.
+
+    .venv/bin/python benchmarks/cpu_greedy_ab.py [--rev 6437eb2] [--rounds 24]
+
+Before each call, 351 MB of other memory is read (a decode step's layer weights and KV), so that
+the 171 MB copy streams from DRAM as in an engine step; with --warm, calls run back to back on a
+4,096-row slice that stays in L2 (1.3 MB a core) (the kernel's instructions alone). x: 16 random rows scaled
+like final-norm outputs; the candidate lists must agree. The revision's kernel is given its own
+byte order: rows in their own order inside each piece before 2026-11-24 (`--old-layout rows`),
+else greedy_head.greedy_layout.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+from benchmarks.cpu_decode_ab import build_at_rev  # noqa: E402
+from benchmarks.cpu_gemm_ab import SRC  # noqa: E402
+from flatserve import device as dev  # noqa: E402
+from flatserve.model.greedy_head import greedy_layout, quantize_7bit, x_stats  # noqa: E402
+
+
+def rows_layout(u: torch.Tensor) -> torch.Tensor:
+    """The byte order before the unpack conversion: [N/64, K/32, 64 rows, 32 k] pieces."""
+    n, k = u.shape
+    return u.reshape(n // 64, 64, k // 32, 32).transpose(1, 2).contiguous().reshape(n, k)
+
+
+def main() -> None:
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from flatserve.model.loader import default_model_path
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rev", default="6437eb2")
+    ap.add_argument("--old-layout", default="rows", choices=["rows", "same"])
+    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--warm", action="store_true")
+    a = ap.parse_args()
+    if not dev.cpu_has_amx_bf16():
+        sys.exit("needs a CPU with AMX bf16")
+    mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_gemm_ab"),
+            "working tree": dev.build_cpu_extension("flatserve_amx_gemm", SRC)}
+    reader = GGUFReader(str(default_model_path()))
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    shape = tuple(reversed([int(d) for d in emb.shape]))
+    w = torch.from_numpy(np.ascontiguousarray(dequantize(emb.data, emb.tensor_type).reshape(shape),
+                                              dtype=np.float32)).bfloat16()  # [262144, 640]: the tied LM head
+    if a.warm:
+        w = w[:4096]
+    u, s, c = quantize_7bit(w)
+    layouts = {a.rev: rows_layout(u) if a.old_layout == "rows" else greedy_layout(u),
+               "working tree": greedy_layout(u)}
+    torch.manual_seed(0)
+    # Rows of the table itself: each row's own logit stands out, as a trained model's final
+    # hidden states make one token stand out (random x draws thousands of candidates a row).
+    x = (w[torch.randint(0, w.shape[0], (16,))].float() * 4).bfloat16()
+    xs = x_stats(x)
+    got = [m.greedy_candidates(x, layouts[k], s, c, xs) for k, m in mods.items()]
+    assert all(torch.equal(p, q) for p, q in zip(*got)), "the two kernels disagree"
+    counts = (got[0][0][1:] - got[0][0][:-1]).tolist()
+    other = torch.ones(351 * 2**20 // 4)
+    times: dict[str, list[float]] = {k: [] for k in mods}
+    names = list(mods)
+    for r in range(a.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            if not a.warm:
+                other.sum()
+            t = time.perf_counter()
+            mods[name].greedy_candidates(x, layouts[name], s, c, xs)
+            times[name].append(time.perf_counter() - t)
+    print(f"{w.shape[0]} x {w.shape[1]} head, 16 rows, {'warm (L2)' if a.warm else 'cold'}: " + ", ".join(
+        f"{k} median {statistics.median(v) * 1e3:.3f} ms (min {min(v) * 1e3:.3f})" for k, v in times.items())
+          + f"; candidates a row {min(counts)}..{max(counts)}")
+
+
+if __name__ == "__main__":
+    main()
