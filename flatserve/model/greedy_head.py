@@ -61,15 +61,21 @@ def quantize_7bit(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, tor
     return u, s, c * (1 + 2.0**-16)
 
 
-def greedy_layout(u: torch.Tensor) -> torch.Tensor:
+def greedy_layout(u: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
     """u [N, K] -> the kernel's order, [N, K] in memory: [N/64, K/32] pieces of 64 rows x 32 k,
     each 64-row group's pieces one contiguous stream; inside a piece, per row pair (r, r + 1)
     and 8-k chunk j, u[r][8j:8j+8] then u[r + 1][8j:8j+8] (the kernel's byte unpack,
-    ops/csrc/amx_gemm_cpu.cpp `u7_piece_to_bf16`, turns that into rows r and r + 1 in bf16)."""
+    ops/csrc/amx_gemm_cpu.cpp `u7_piece_to_bf16`, turns that into rows r and r + 1 in bf16).
+    In chunks of rows (multiples of 64), so that no whole-head temporary is made."""
     n, k = u.shape
-    pieces = u.reshape(n // 64, 64, k // 32, 32).transpose(1, 2)  # [G, K/32, 64, 32]
-    pairs = pieces.reshape(n // 64, k // 32, 32, 2, 4, 8).transpose(3, 4)  # [.., pair, chunk, row, 8]
-    return pairs.contiguous().reshape(n, k)
+    out = torch.empty_like(u)
+    for i in range(0, n, chunk):
+        c = u[i:i + chunk]
+        g = c.shape[0] // 64
+        pieces = c.reshape(g, 64, k // 32, 32).transpose(1, 2).contiguous()  # [G, K/32, 64, 32]
+        pairs = pieces.view(g, k // 32, 32, 2, 4, 8).transpose(3, 4)  # [.., pair, chunk, row, 8]
+        out[i:i + chunk].view(g, k // 32, 32, 4, 2, 8).copy_(pairs)
+    return out
 
 
 def x_stats(x: torch.Tensor) -> torch.Tensor:
