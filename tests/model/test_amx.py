@@ -55,16 +55,22 @@ def test_amx_linear_column_blocks_and_row_slabs(rows: int, groups: int) -> None:
 @needs_amx
 @pytest.mark.parametrize("act", [0, 2])
 def test_row_split_gives_the_column_split_bits(act: int) -> None:
-    """From 1,024 rows each thread takes whole rows instead of whole column groups; every output
-    still sums the same tile products in the same order, so the bits must equal those of the
-    same rows sent in column-split calls of at most 64 rows (1,100 rows: a partial last pair)."""
+    """From 512 rows a thread each thread takes whole rows instead of whole column groups; every
+    output still sums the same tile products in the same order, so the bits must equal those of
+    the same rows sent in column-split calls of at most 64 rows (2 threads, 1,100 rows: a
+    partial last pair)."""
     N, K = 64 * 5, 640
     lin = amx.AMXLinear(torch.randn(N, K).bfloat16(), None)
     if act:
         assert lin.make_gated("gelu_pytorch_tanh")
     x = torch.randn(1100, K).bfloat16()
-    got = lin(x)
-    want = torch.cat([lin(x[i:i + 64]) for i in range(0, x.shape[0], 64)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = lin(x)
+        want = torch.cat([lin(x[i:i + 64]) for i in range(0, x.shape[0], 64)])
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(got, want)
 
 
@@ -114,7 +120,7 @@ def test_amx_pack_falls_back_to_onednn_and_shares_a_tied_head() -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100, 1100])  # 1 x 4 tiles to 32, 2 x 2 above, rows split from 1,024
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100, 1100])  # 1100: rows split (2 threads)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_gated_gemm_equals_linear_then_act_and_mul(rows: int, act: str) -> None:
     """A gate_up projection with the activation in its epilogue gives the bits of the packed

@@ -179,16 +179,18 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
   spill_rows(p, spill[cur ^ 1], spill[cur ^ 1].total());
 }
 
-// Prompt-sized calls split rows, not columns, between threads: each thread computes every
-// column of its own rows (whole row pairs, gemm_2x2's blocking within them). Every thread then
-// reads the whole weight (1-5 MB a layer; from L3 after the first), but only its own rows of x
-// (2.6-8 MB at 2,048 rows), and the norms that follow, which split rows the same way
-// (at::parallel_for's equal ranges), find their rows in their own core's caches instead of half
-// of each row in the other core's L2. Gemma's 18 layers of linears and norm pairs
-// (benchmarks/cpu_layer_ab.py --rev c3b7fb3): 187.5 -> 174.8 ms at 2,048 rows, 96.0 -> 92.5 at
-// 1,024. The GEMMs alone gain ~3% at 2,048 rows and lose below 1,024 (0.89x at 256; scratch
-// sweep). Same tile products in the same order per output: the same bits as the column split.
-constexpr int64_t kRowSplit = 1024;
+// Prompt-sized calls (>= 512 rows a thread) split rows, not columns, between threads: each
+// thread computes every column of its own rows (whole row pairs, gemm_2x2's blocking within
+// them). Every thread then reads the whole weight (1-5 MB a layer; from L3 after the first), but
+// only its own rows of x (2.6-8 MB at 2,048 rows), and the norms that follow, which split rows
+// the same way (at::parallel_for's equal ranges), find their rows in their own core's caches
+// instead of half of each row in the other core's L2. Gemma's 18 layers of linears and norm
+// pairs (benchmarks/cpu_layer_ab.py --rev c3b7fb3, 2 threads): 187.5 -> 174.8 ms at 2,048 rows,
+// 96.0 -> 92.5 at 1,024. The GEMMs alone gain ~3% at 2,048 rows and lose below 1,024 (0.89x at
+// 256; scratch sweep). The bar is per thread, so that a many-core machine does not hand each
+// thread a sliver of rows that streams the whole weight for little work (not measured there).
+// Same tile products in the same order per output: the same bits as the column split.
+constexpr int64_t kRowSplit = 512;  // rows per thread
 
 void gemm_row_halves(const Problem& p, int64_t padded) {
   const int64_t pairs = padded / 32;
@@ -473,7 +475,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
   const Problem p{static_cast<const char*>(xs.data_ptr()), static_cast<const char*>(w_packed.data_ptr()),
                   bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
                   M, N, K, static_cast<int>(act)};
-  if (M >= kRowSplit) {
+  if (M >= kRowSplit * at::get_num_threads()) {
     gemm_row_halves(p, padded);
     return y;
   }
