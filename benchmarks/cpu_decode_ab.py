@@ -43,6 +43,23 @@ def build_at_rev(src: str, rev: str, prefix: str) -> object:
     return dev.build_cpu_extension(f"{prefix}_{abs(hash(old)) % 10**8}", str(tmp))
 
 
+def ab_modules(src: str, rev: str, prefix: str, name: str) -> dict[str, object]:
+    """{rev: the source at `rev`, "working tree": the module as the engine builds it (`name`)}."""
+    return {rev: build_at_rev(src, rev, prefix), "working tree": dev.build_cpu_extension(name, src)}
+
+
+def gemma_case(a: argparse.Namespace) -> tuple:
+    """16 sequences, contexts 10..1,500 + 64 (seeded), a.rows query rows each, Gemma's shape;
+    block tables sorted with --sequential; a.layers caches. -> (q, meta, caches)."""
+    random.seed(0)
+    lens = [random.randint(10, 1500) + 64 for _ in range(16)]
+    q, kc, vc, meta = make_case([a.rows] * 16, lens, 4, 1, 256, 16, torch.bfloat16, seed=0, device="cpu")
+    if a.sequential:  # timing only: the values read need not be the case's
+        used = meta.block_table > 0
+        meta.block_table[used] = torch.sort(meta.block_table[used]).values
+    return q, meta, [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(max(1, a.layers) - 1)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", default="bb680e4")
@@ -56,17 +73,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.cold:
         return cold(a)
-    mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_decode_ab"),
-            "working tree": dev.build_cpu_extension("flatserve_paged_decode_cpu", SRC)}
-    random.seed(0)
-    lens = [random.randint(10, 1500) + 64 for _ in range(16)]
+    mods = ab_modules(SRC, a.rev, "flatserve_decode_ab", "flatserve_paged_decode_cpu")
     n = a.rows
-    q, kc, vc, meta = make_case([n] * 16, lens, 4, 1, 256, 16, torch.bfloat16, seed=0, device="cpu")
-    if a.sequential:  # timing only: the values read need not be the case's
-        used = meta.block_table > 0
-        flat = torch.sort(meta.block_table[used]).values
-        meta.block_table[used] = flat
-    caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(a.layers - 1)]
+    q, meta, caches = gemma_case(a)
+    kc, vc = caches[0]
     # The same rows as one-row decodes: row j of a run sees lens - n + j + 1 keys.
     seq_of = torch.arange(16).repeat_interleave(n)
     row_table = meta.block_table[seq_of].contiguous()
@@ -104,16 +114,9 @@ def cold(a: argparse.Namespace) -> None:
     read, then a 171 MB read; the kernels alternate which goes first."""
     import statistics
 
-    mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_decode_ab"),
-            "working tree": dev.build_cpu_extension("flatserve_paged_decode_cpu", SRC)}
-    random.seed(0)
-    lens = [random.randint(10, 1500) + 64 for _ in range(16)]
-    q, kc, vc, meta = make_case([a.rows] * 16, lens, 4, 1, 256, 16, torch.bfloat16, seed=0, device="cpu")
-    if a.sequential:
-        used = meta.block_table > 0
-        meta.block_table[used] = torch.sort(meta.block_table[used]).values
-    layers = max(1, a.layers)
-    caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(layers - 1)]
+    mods = ab_modules(SRC, a.rev, "flatserve_decode_ab", "flatserve_paged_decode_cpu")
+    q, meta, caches = gemma_case(a)
+    layers = len(caches)
     weights = [torch.ones(11 * 2**20 // 4) for _ in range(layers)]
     head = torch.ones(171 * 2**20 // 4)
     cu = meta.cu_seqlens_q if a.rows > 1 else torch.empty(0, dtype=torch.int32)

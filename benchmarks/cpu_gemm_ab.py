@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.cpu_decode_ab import build_at_rev  # noqa: E402
+from benchmarks.cpu_decode_ab import ab_modules  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 from flatserve.model.amx import AMXLinear  # noqa: E402
 
@@ -31,8 +31,7 @@ def main() -> None:
     if not dev.cpu_has_amx_bf16():
         sys.exit("needs a CPU with AMX bf16")
     dev.keep_freed_heap(torch.device("cpu"))  # as the engine runs: outputs not faulted in per call
-    mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_gemm_ab"),
-            "working tree": dev.build_cpu_extension("flatserve_amx_gemm", SRC)}
+    mods = ab_modules(SRC, a.rev, "flatserve_gemm_ab", "flatserve_amx_gemm")
     for m in mods.values():
         assert m.available(), "AMX tile state not granted"
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.cpu_decode_ab import build_at_rev  # noqa: E402
+from benchmarks.cpu_decode_ab import ab_modules  # noqa: E402
 from benchmarks.cpu_gemm_ab import SRC  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 from flatserve.model.greedy_head import greedy_layout, quantize_7bit, x_stats  # noqa: E402
@@ -48,8 +48,7 @@ def main() -> None:
     a = ap.parse_args()
     if not dev.cpu_has_amx_bf16():
         sys.exit("needs a CPU with AMX bf16")
-    mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_gemm_ab"),
-            "working tree": dev.build_cpu_extension("flatserve_amx_gemm", SRC)}
+    mods = ab_modules(SRC, a.rev, "flatserve_gemm_ab", "flatserve_amx_gemm")
     reader = GGUFReader(str(default_model_path()))
     emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
     shape = tuple(reversed([int(d) for d in emb.shape]))

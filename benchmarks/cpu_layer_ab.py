@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.cpu_decode_ab import build_at_rev  # noqa: E402
+from benchmarks.cpu_decode_ab import ab_modules  # noqa: E402
 from benchmarks.cpu_gemm_ab import SRC  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 from flatserve.model.amx import AMXLinear  # noqa: E402
@@ -57,8 +57,7 @@ def main() -> None:
     if not dev.cpu_has_amx_bf16() or not cpu_ops.available():
         sys.exit("needs a CPU with AMX bf16 and the fused CPU ops")
     dev.keep_freed_heap(torch.device("cpu"))  # as the engine runs: outputs not faulted in per call
-    mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_gemm_ab"),
-            "working tree": dev.build_cpu_extension("flatserve_amx_gemm", SRC)}
+    mods = ab_modules(SRC, a.rev, "flatserve_gemm_ab", "flatserve_amx_gemm")
     torch.manual_seed(0)
     layers = [(packed(1536, 640), packed(640, 1024), packed(4096, 640), packed(640, 2048),
                torch.randn(640, dtype=torch.bfloat16) * 0.1) for _ in range(18)]

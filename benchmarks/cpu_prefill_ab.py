@@ -13,7 +13,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.cpu_decode_ab import build_at_rev  # noqa: E402
+from benchmarks.cpu_decode_ab import ab_modules  # noqa: E402
 from benchmarks.cpu_prefill_attention import paged  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 
@@ -32,8 +32,7 @@ def main() -> None:
     a = ap.parse_args()
     if not dev.cpu_has_amx_bf16():
         sys.exit("needs a CPU with AMX bf16")
-    mods = {a.rev: build_at_rev(SRC, a.rev, "flatserve_prefill_ab"),
-            "working tree": dev.build_cpu_extension("flatserve_paged_prefill_amx", SRC)}
+    mods = ab_modules(SRC, a.rev, "flatserve_prefill_ab", "flatserve_paged_prefill_amx")
     torch.manual_seed(0)
     for name, win, n, ctx in CASES:
         L = ctx + n
