@@ -72,6 +72,25 @@ inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t 
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// acc [d] in split_acc_index's order (per 32 dims: the 16 even dims, then the 16 odd ones)
+// times f -> d bf16 in dim order, rounded to nearest even as c10's conversion is (for normal
+// values: the instruction treats subnormal inputs as zero). One conversion and one word
+// permute per 32 values against 32 scalar conversions.
+inline void store_split_bf16(const float* acc, float f, int64_t d, uint16_t* o) {
+  alignas(64) static constexpr int16_t kIdx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(kIdx);
+  const __m512 fv = _mm512_set1_ps(f);
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512 ev = _mm512_mul_ps(_mm512_loadu_ps(acc + c), fv);
+    const __m512 od = _mm512_mul_ps(_mm512_loadu_ps(acc + c + 16), fv);
+    const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(od, ev);  // words 0-15 even dims, 16-31 odd
+    _mm512_storeu_si512(o + c, _mm512_permutexvar_epi16(idx, w));
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 // bf16 P V with V widened 32 values at a time by one shift (even elements) and one mask (odd
 // ones), against a zero-extend and a shift per 16: the accumulators of each 32-dim chunk hold

@@ -6,17 +6,17 @@
 // step (index + copy ops), ~25x the time of reading the same bytes once. Here each (sequence,
 // KV head) walks its block table and streams every K/V row from the cache exactly once, with an
 // online softmax in fp32 (the same maths as the torch reference: fp32 scores, scale, optional
-// softcap, sliding window, sinks; output rounded to the cache dtype once). Verify runs of bf16
-// whose rows x query heads fit one AMX tile (<= 16 vectors) take their scores on tiles
-// (amx_scores): at 4 rows x 4 heads the vector FMAs, not the bytes, had set the pace
+// softcap, sliding window, sinks; output rounded to the cache dtype once). Runs of bf16 whose
+// rows x query heads fit one AMX tile (<= 16 vectors) take their scores on tiles (amx_scores;
+// decodes too since session 16, below): at 4 rows x 4 heads the vector FMAs, not the bytes, had set the pace
 // (benchmarks/cpu_decode_ab.py --rows 4: 1.55 -> 1.26 ms a full layer, 0.95 -> 0.77 windowed).
 // At Gemma's shape a decode is bound by these instructions, not by the bytes (18 layers' caches
 // from DRAM read in 0.39 ms by a plain stream against 0.66 ms for the kernel), so session 13
 // trimmed them: one shuffle tree for each 4 keys x 4 heads' 16 sums, the 16 keys of a block's
 // softmax as one vector per head, and V widened 32 values per shift + mask (bit-identical):
 // `cpu_decode_ab.py --layers 18 --sequential`, 0.66 -> 0.59 ms full, 0.35 -> 0.30 windowed,
-// --rows 4: 1.35 -> 1.07. AMX tiles for a decode's scores (K straight from the cache, or via an
-// L1 copy; K prefetched 2 blocks ahead) ran 10-25% slower than these vector instructions.
+// --rows 4: 1.35 -> 1.07. AMX tiles for a decode's scores on one C tile's chain ran 10-25%
+// slower than these vector instructions then; on two chains they are faster (amx_scores_fit).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -239,40 +239,56 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
 // (VNNI); vectors past n x g are zero. qc is [n x g, d] bf16.
 inline void pack_qt(const at::BFloat16* qc, int64_t nv, int64_t d, uint32_t* qt) {
   const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qc);
-  for (int64_t c = 0; c < d / 32; ++c)
-    for (int64_t p = 0; p < 16; ++p)
-      for (int64_t v = 0; v < 16; ++v)
-        qt[(c * 16 + p) * 16 + v] = v < nv ? q32[v * (d / 2) + c * 16 + p] : 0u;
+  std::memset(qt, 0, static_cast<size_t>(d / 32) * 256 * sizeof(uint32_t));
+  for (int64_t v = 0; v < nv; ++v)
+    for (int64_t e = 0; e < d / 2; ++e) qt[e * 16 + v] = q32[v * (d / 2) + e];  // e = 16 c + p
 }
 
 // Raw scores of a block's bs keys (bs % 16 == 0) for all 16 packed vectors: S^T = K Q^T on
 // tiles, K rows read from the cache as A tiles (16 keys x 32 dims, row stride rs), one C tile
 // per 16 keys; -> sc[v * bs + key]. With 4 rows x 4 heads this replaces 16 x 16 x d / 32
-// vdpbf16ps per 16 keys with d / 32 tile multiplies.
+// vdpbf16ps per 16 keys with d / 32 tile multiplies; a decode's 4 x 4 with the same number.
+template <typename Ahead_>
 inline void amx_scores(const at::BFloat16* kb, int64_t rs, int64_t d, int64_t bs, const uint32_t* qt,
-                       float* sc) {
-  alignas(64) float ct[16][16];
+                       float* sc, int64_t nv, Ahead_& ahead) {
+  alignas(64) float ct[2][16][16];
+  const int64_t nc = d / 32;
   for (int64_t k0 = 0; k0 < bs; k0 += 16) {
     _tile_zero(0);
-    for (int64_t c = 0; c < d / 32; ++c) {
+    _tile_zero(3);
+    for (int64_t c = 0; c < nc; c += 2) {  // two chains: a tile multiply waits on its C tile
       _tile_loadd(1, kb + k0 * rs + c * 32, rs * 2);
       _tile_loadd(2, qt + c * 256, 64);
       _tile_dpbf16ps(0, 1, 2);
+      _tile_loadd(4, kb + k0 * rs + (c + 1) * 32, rs * 2);
+      _tile_loadd(5, qt + (c + 1) * 256, 64);
+      _tile_dpbf16ps(3, 4, 5);
+      ahead.upto(((k0 + 16) * (c + 2) / nc) * ahead.rows / bs);
     }
-    _tile_stored(0, ct, 64);
-    for (int64_t i = 0; i < 16; ++i)
-      for (int64_t v = 0; v < 16; ++v) sc[v * bs + k0 + i] = ct[i][v];
+    _tile_stored(0, ct[0], 64);
+    _tile_stored(3, ct[1], 64);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (int64_t v = 0; v < nv; ++v) {
+      const __m512 a = _mm512_i32gather_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int>(v))), &ct[0][0][0], 4);
+      const __m512 b = _mm512_i32gather_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int>(v))), &ct[1][0][0], 4);
+      _mm512_storeu_ps(sc + v * bs + k0, _mm512_add_ps(a, b));
+    }
   }
 }
+
 #endif
 
-// Whether a run takes the AMX scores: bf16, more than one row (a decode's 4 vectors would
-// fill a quarter of the tile: session 8 measured that slower), at most 16 vectors, whole
-// 16-key tiles and 32-dim slices.
+// Whether a run takes the AMX scores: bf16, at most 16 vectors, whole 16-key tiles and 64-dim
+// slices (two chains of 32). One-row decodes take them too since session 16: with two C tiles
+// (the tile multiplies had waited on one chain) and the next block asked for between the
+// slices, `cpu_decode_ab.py --layers 18 --sequential --cold` went 12.12 -> 11.42 ms full,
+// 7.65 -> 7.23 windowed; verify runs (--rows 4) 20.08 -> 17.73 and 12.81 -> 11.30. (Session 8
+// had measured a decode's 4 vectors on one chain slower than the vector scores.)
 template <typename T>
 inline bool amx_scores_fit(const Dims& m) {
 #ifdef FLATSERVE_AMX
-  return std::is_same_v<T, at::BFloat16> && m.g <= 8 && m.bs % 16 == 0 && m.d % 32 == 0 &&
+  return std::is_same_v<T, at::BFloat16> && m.g <= 8 && m.bs % 16 == 0 && m.d % 64 == 0 &&
          m.d <= 256 && flatserve::amx_available();
 #else
   return false;
@@ -280,7 +296,7 @@ inline bool amx_scores_fit(const Dims& m) {
 }
 template <typename T>
 inline bool use_amx_scores(int64_t n, const Dims& m) {
-  return n > 1 && n * m.g <= 16 && amx_scores_fit<T>(m);
+  return n >= 1 && n * m.g <= 16 && amx_scores_fit<T>(m);
 }
 
 // One (sequence, KV head) with its run of n query rows (n = 1 for a decode; k + 1 for a
@@ -321,10 +337,7 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
                std::min(bs, len - (b + 1) * bs), 0};
     }
 #ifdef FLATSERVE_AMX
-    if (amx) {
-      ahead.upto(ahead.rows);
-      amx_scores(reinterpret_cast<const at::BFloat16*>(kb), rs, d, bs, qt, sc);
-    }
+    if (amx) amx_scores(reinterpret_cast<const at::BFloat16*>(kb), rs, d, bs, qt, sc, n * g, ahead);
 #endif
     auto span = [&](int64_t r) {  // this block's keys that row r sees, as [t0, t1) in the block
       const int64_t lr = len - n + r + 1;  // keys the row sees: [lo(lr), lr)
@@ -366,6 +379,14 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
       }
       const float f = dj > 0.f ? corr / dj : 0.f;
       T* o = out + r * qs + (h * g + j) * d;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (split_acc<T>(d)) {
+          flatserve::decode::store_split_bf16(acc + i * d, f, d, reinterpret_cast<uint16_t*>(o));
+          continue;
+        }
+      }
+#endif
       if (split_acc<T>(d))
         for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[i * d + split_acc_index(e)] * f);
       else
@@ -406,7 +427,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
     std::vector<float> qf(max_rows * m.g * m.d), acc(max_rows * m.g * m.d), sc(16 * m.bs);
     std::vector<T> qc(max_rows * m.g * m.d);
 #ifdef FLATSERVE_AMX
-    const bool tiles = max_rows > 1 && amx_scores_fit<T>(m);  // some run may take them
+    const bool tiles = max_rows >= 1 && amx_scores_fit<T>(m);  // some run may take them
     if (tiles) flatserve::load_tile_config();
 #endif
 #pragma omp for schedule(dynamic, 1)
