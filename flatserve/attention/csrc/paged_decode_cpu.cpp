@@ -31,6 +31,7 @@
 
 #include "amx_tiles.h"
 #include "cpu_math.h"
+#include "decode_amx.h"
 #include "decode_bf16.h"
 #include "seq_list.h"
 
@@ -42,6 +43,11 @@ namespace {
 
 #if defined(__AVX512BF16__)
 using flatserve::decode::scores_bf16;
+#endif
+using flatserve::decode::Ahead;
+#ifdef FLATSERVE_AMX
+using flatserve::decode::amx_scores2;
+using flatserve::decode::pack_qt;
 #endif
 #if defined(__AVX512F__)
 using flatserve::decode::pv_bf16_split;
@@ -113,27 +119,6 @@ inline bool split_acc(int64_t d) {
 #endif
 }
 
-// The next block's K and V rows of one KV head, asked for ahead of use: blocks sit at random
-// places in the pool, so the hardware prefetcher restarts on every one of them. block_step
-// spreads the asks over its score loop, a few rows per group of keys, instead of all 16 KB (at
-// Gemma's head of 256) at the block's start: a burst of 512 prefetches filled the core's
-// line-fill buffers and stalled the scores behind them. 18 layers of a captured 16-request
-// decode step (scratch replay, ~11 MB read between layers as the linears do): 9.1 -> 8.6 ms;
-// `benchmarks/cpu_decode_ab.py --layers 18 --sequential --cold`: 12.26 -> 11.52 ms full,
-// 7.70 -> 7.31 windowed (verify runs on AMX scores keep the burst: unchanged).
-template <typename T>
-struct Ahead {
-  const T* k = nullptr;
-  const T* v = nullptr;
-  int64_t rs = 0, bytes = 0, rows = 0, done = 0;
-  void upto(int64_t r) {  // rows [done, r) of the next block
-    for (r = std::min(r, rows); done < r; ++done)
-      for (int64_t o = 0; o < bytes; o += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k + done * rs) + o);
-        __builtin_prefetch(reinterpret_cast<const char*>(v + done * rs) + o);
-      }
-  }
-};
 
 // One block's rows t0..t1 for G query heads (starting at head j0 of the group): scores, online
 // softmax update of (mx, den), then acc = acc * corr + weights . V, one 16-lane slice of the G
@@ -233,62 +218,16 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
   }
 }
 
-#ifdef FLATSERVE_AMX
-// A verify run's n x g query vectors (<= 16) as AMX B tiles of Q^T: for each 32-dim slice c,
-// tile row p holds, for every vector v, its dims (32c + 2p, 32c + 2p + 1) as one 32-bit pair
-// (VNNI); vectors past n x g are zero. qc is [n x g, d] bf16.
-inline void pack_qt(const at::BFloat16* qc, int64_t nv, int64_t d, uint32_t* qt) {
-  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qc);
-  std::memset(qt, 0, static_cast<size_t>(d / 32) * 256 * sizeof(uint32_t));
-  for (int64_t v = 0; v < nv; ++v)
-    for (int64_t e = 0; e < d / 2; ++e) qt[e * 16 + v] = q32[v * (d / 2) + e];  // e = 16 c + p
-}
-
-// Raw scores of a block's bs keys (bs % 16 == 0) for all 16 packed vectors: S^T = K Q^T on
-// tiles, K rows read from the cache as A tiles (16 keys x 32 dims, row stride rs), one C tile
-// per 16 keys; -> sc[v * bs + key]. With 4 rows x 4 heads this replaces 16 x 16 x d / 32
-// vdpbf16ps per 16 keys with d / 32 tile multiplies; a decode's 4 x 4 with the same number.
-template <typename Ahead_>
-inline void amx_scores(const at::BFloat16* kb, int64_t rs, int64_t d, int64_t bs, const uint32_t* qt,
-                       float* sc, int64_t nv, Ahead_& ahead) {
-  alignas(64) float ct[2][16][16];
-  const int64_t nc = d / 32;
-  for (int64_t k0 = 0; k0 < bs; k0 += 16) {
-    _tile_zero(0);
-    _tile_zero(3);
-    for (int64_t c = 0; c < nc; c += 2) {  // two chains: a tile multiply waits on its C tile
-      _tile_loadd(1, kb + k0 * rs + c * 32, rs * 2);
-      _tile_loadd(2, qt + c * 256, 64);
-      _tile_dpbf16ps(0, 1, 2);
-      _tile_loadd(4, kb + k0 * rs + (c + 1) * 32, rs * 2);
-      _tile_loadd(5, qt + (c + 1) * 256, 64);
-      _tile_dpbf16ps(3, 4, 5);
-      ahead.upto(((k0 + 16) * (c + 2) / nc) * ahead.rows / bs);
-    }
-    _tile_stored(0, ct[0], 64);
-    _tile_stored(3, ct[1], 64);
-    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));
-    for (int64_t v = 0; v < nv; ++v) {
-      const __m512 a = _mm512_i32gather_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int>(v))), &ct[0][0][0], 4);
-      const __m512 b = _mm512_i32gather_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int>(v))), &ct[1][0][0], 4);
-      _mm512_storeu_ps(sc + v * bs + k0, _mm512_add_ps(a, b));
-    }
-  }
-}
-
-#endif
-
-// Whether a run takes the AMX scores: bf16, at most 16 vectors, whole 16-key tiles and 64-dim
-// slices (two chains of 32). One-row decodes take them too since session 16: with two C tiles
-// (the tile multiplies had waited on one chain) and the next block asked for between the
-// slices, `cpu_decode_ab.py --layers 18 --sequential --cold` went 12.12 -> 11.42 ms full,
-// 7.65 -> 7.23 windowed; verify runs (--rows 4) 20.08 -> 17.73 and 12.81 -> 11.30. (Session 8
+// Whether a run takes the AMX scores: bf16, at most 16 vectors, whole 16-key tiles and 32-dim
+// slices. One-row decodes take them too since session 16: with two C-tile chains (the tile
+// multiplies had waited on one chain) and the next block asked for between the slices,
+// `cpu_decode_ab.py --layers 18 --sequential --cold` went 12.12 -> 11.42 ms full, 7.65 -> 7.23
+// windowed; verify runs (--rows 4) 20.08 -> 17.73 and 12.81 -> 11.30. (Session 8
 // had measured a decode's 4 vectors on one chain slower than the vector scores.)
 template <typename T>
 inline bool amx_scores_fit(const Dims& m) {
 #ifdef FLATSERVE_AMX
-  return std::is_same_v<T, at::BFloat16> && m.g <= 8 && m.bs % 16 == 0 && m.d % 64 == 0 &&
+  return std::is_same_v<T, at::BFloat16> && m.g <= 8 && m.bs % 16 == 0 && m.d % 32 == 0 &&
          m.d <= 256 && flatserve::amx_available();
 #else
   return false;
@@ -327,17 +266,50 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
 #endif
   auto lo = [&](int64_t lr) { return m.window > 0 ? std::max<int64_t>(0, lr - m.window) : 0; };
   const int64_t b_end = (len + bs - 1) / bs;
-  for (int64_t b = lo(len - n + 1) / bs; b < b_end; ++b) {
+  const int64_t b_first = lo(len - n + 1) / bs;
+  auto ahead_of = [&](int64_t b) {  // block b's rows to ask for (none past the end)
+    Ahead<T> a;
+    if (b < b_end) {
+      const int64_t nb = static_cast<int64_t>(table[b]) * bs * m.hkv + h;
+      a = {kc + nb * d, vc + nb * d, rs, d * static_cast<int64_t>(sizeof(T)), std::min(bs, len - b * bs), 0};
+    }
+    return a;
+  };
+  // AMX scores go 32 keys per call: two blocks of 16 (the next two asked for meanwhile, the
+  // farther into L2), or a block's halves. Against one block per call with the next block asked
+  // for (session 16), cpu_decode_ab.py --layers 18 --sequential --cold: 10.99 -> 10.33 ms full,
+  // 6.94 -> 6.67 windowed; --rows 4 17.51 -> 16.42 and 11.17 -> 10.63.
+  const bool pairs = amx && bs == 16;
+#ifdef FLATSERVE_AMX
+  alignas(64) float sp[2][16 * 16];  // pairs: two blocks' raw scores, [vector][key]
+#endif
+  for (int64_t b = b_first; b < b_end; ++b) {
     const T* kb = kc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
     const T* vb = vc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
     Ahead<T> ahead;  // the first block_step of this block asks for the next one's rows
-    if (b + 1 < b_end) {
-      const int64_t nb = static_cast<int64_t>(table[b + 1]) * bs * m.hkv + h;
-      ahead = {kc + nb * d, vc + nb * d, rs, d * static_cast<int64_t>(sizeof(T)),
-               std::min(bs, len - (b + 1) * bs), 0};
-    }
+    if (!pairs) ahead = ahead_of(b + 1);
 #ifdef FLATSERVE_AMX
-    if (amx) amx_scores(reinterpret_cast<const at::BFloat16*>(kb), rs, d, bs, qt, sc, n * g, ahead);
+    using BF = c10::BFloat16;
+    if (pairs && (b - b_first) % 2 == 0) {
+      Ahead<T> a2 = ahead_of(b + 2), a3 = ahead_of(b + 3);
+      a3.l2 = true;  // T0 for both measured no better
+      if (b == b_first) {  // the first two blocks are asked for here
+        Ahead<T> f0 = ahead_of(b), f1 = ahead_of(b + 1);
+        f0.upto(f0.rows);
+        f1.upto(f1.rows);
+      }
+      const T* kn = b + 1 < b_end ? kc + (static_cast<int64_t>(table[b + 1]) * bs * m.hkv + h) * d : nullptr;
+      amx_scores2(reinterpret_cast<const BF*>(kb), reinterpret_cast<const BF*>(kn), rs, d, qt, sp[0], sp[1],
+                  16, n * g, a2, a3);
+    } else if (amx && !pairs) {
+      Ahead<T> none;
+      for (int64_t k0 = 0; k0 < bs; k0 += 32) {
+        const T* k1 = k0 + 16 < bs ? kb + (k0 + 16) * rs : nullptr;
+        amx_scores2(reinterpret_cast<const BF*>(kb + k0 * rs), reinterpret_cast<const BF*>(k1), rs, d, qt,
+                    sc + k0, sc + k0 + 16, bs, n * g, ahead, none);
+      }
+    }
+    if (pairs) sc = sp[(b - b_first) % 2];
 #endif
     auto span = [&](int64_t r) {  // this block's keys that row r sees, as [t0, t1) in the block
       const int64_t lr = len - n + r + 1;  // keys the row sees: [lo(lr), lr)
