@@ -16,6 +16,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 WORDS = ("the of and a to in is you that it he was for on are as with his they at be this "
          "from have or by one had not but what all were when we there can an your which their").split()
@@ -93,6 +94,18 @@ def _llc_bytes() -> int:
     return max(sizes)
 
 
+def _best_time(fn: Callable[[], object], rounds: int = 5) -> float:
+    """The shortest of `rounds` timings of fn(): a peak rate is the best this shared VM gives,
+    as STREAM reports its best of N. One timing had read 843 GFLOP/s for the bf16 matmul
+    (2,275-2,677 in the runs around it), which put the floor on compute and the ratio at 0.86."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_floor(dtype: str) -> dict:
     import torch
 
@@ -103,10 +116,7 @@ def measure_floor(dtype: str) -> dict:
         a, b = torch.randn(2048, 2048, dtype=dt), torch.randn(2048, 2048, dtype=dt)
         for _ in range(3):
             a @ b
-        n, t0 = 10, time.perf_counter()
-        for _ in range(n):
-            a @ b
-        res[f"matmul_{name}_flops"] = 2 * 2048**3 * n / (time.perf_counter() - t0)
+        res[f"matmul_{name}_flops"] = 2 * 2048**3 * 10 / _best_time(lambda: [a @ b for _ in range(10)])
     # Arrays of 256 MiB or twice the last-level cache, whichever is larger: the floor is about
     # memory, and this VM's host has a 480 MiB L3. A 256 MiB copy (512 MiB touched) read
     # 25.0 GB/s in session 11 and 38.5 GB/s on another day, its read-only stream 55 GB/s:
@@ -115,17 +125,11 @@ def measure_floor(dtype: str) -> dict:
     x = torch.randn(res["stream_bytes"] // 4)
     y = torch.empty_like(x)
     y.copy_(x)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        y.copy_(x)
-    res["copy_bytes_per_s"] = 2 * x.numel() * 4 * 5 / (time.perf_counter() - t0)  # read + write
+    res["copy_bytes_per_s"] = 2 * x.numel() * 4 * 5 / _best_time(lambda: [y.copy_(x) for _ in range(5)])  # read + write
     # A read-only stream (what a decode step mostly is), for context; the floor keeps the copy
     # rate the issue names.
     x.sum()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        x.sum()
-    res["read_bytes_per_s"] = x.numel() * 4 * 5 / (time.perf_counter() - t0)
+    res["read_bytes_per_s"] = x.numel() * 4 * 5 / _best_time(lambda: [x.sum() for _ in range(5)])
     res["dtype"] = str(resolve_dtype(dtype, torch.device("cpu")))
     return res
 
