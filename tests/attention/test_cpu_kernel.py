@@ -62,6 +62,18 @@ def test_head_sizes_block_sizes_dtypes(d: int, bs: int, dtype: torch.dtype) -> N
     check_decode(_ragged(7, 1, 1200), d=d, bs=bs, dtype=dtype)
 
 
+# bf16 decodes with g <= 8 query heads per KV head take the AMX scores (two 16-key blocks per
+# call, odd block counts and windows that start mid-pair included); g = 16 keeps the AVX512-BF16
+# dot products. Head 256 is Gemma's; 64 a smaller one.
+@pytest.mark.parametrize("hq,hkv,d,window,softcap,sinks", [
+    (4, 1, 256, None, None, False), (4, 1, 256, 100, None, True), (8, 1, 64, 37, 30.0, False),
+    (16, 2, 128, 512, None, False), (32, 2, 64, 300, None, True)])
+def test_bf16_decode_scores_paths(hq: int, hkv: int, d: int, window: int | None,
+                                  softcap: float | None, sinks: bool) -> None:
+    check_decode(_ragged(9, 1, 1500), hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, window=window,
+                 softcap=softcap, sinks=sinks)
+
+
 MAX_ROWS = cpu_backend.MAX_KERNEL_ROWS
 
 
