@@ -145,7 +145,8 @@ def wait_healthy(url: str, proc: Any = None, timeout: float = 300.0) -> None:
 
 
 class RssSampler:
-    """RSS of a process and its children, every `interval` seconds (200 ms by default)."""
+    """RSS of a process and its children, every `interval` seconds (200 ms by default). A child
+    that exits between the listing and the read is skipped; sampling ends with the process."""
 
     def __init__(self, pid: int | None, interval: float = 0.2) -> None:
         self.pid, self.samples, self.interval = pid, [], interval  # type: ignore[var-annotated]
@@ -162,9 +163,14 @@ class RssSampler:
             return
         while not self._stop.is_set():
             try:
-                rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
+                rss, children = proc.memory_info().rss, proc.children(recursive=True)
             except psutil.Error:
                 return
+            for c in children:  # a short-lived child (a compiler, a shell) may be gone by now
+                try:
+                    rss += c.memory_info().rss
+                except psutil.Error:
+                    pass
             self.samples.append((time.perf_counter() - self._t0, rss))
             time.sleep(self.interval)
 

@@ -7,16 +7,17 @@
 // KV head) walks its block table and streams every K/V row from the cache exactly once, with an
 // online softmax in fp32 (the same maths as the torch reference: fp32 scores, scale, optional
 // softcap, sliding window, sinks; output rounded to the cache dtype once). Runs of bf16 whose
-// rows x query heads fit one AMX tile (<= 16 vectors) take their scores on tiles (amx_scores;
-// decodes too since session 16, below): at 4 rows x 4 heads the vector FMAs, not the bytes, had set the pace
-// (benchmarks/cpu_decode_ab.py --rows 4: 1.55 -> 1.26 ms a full layer, 0.95 -> 0.77 windowed).
+// rows x query heads fit one AMX tile (<= 16 vectors) take their scores on tiles (amx_scores2 in
+// csrc/decode_amx.h; one-row decodes too since session 16, amx_scores_fit): at 4 rows x 4 heads
+// the vector FMAs, not the bytes, had set the pace (benchmarks/cpu_decode_ab.py --rows 4: 1.55
+// -> 1.26 ms a full layer, 0.95 -> 0.77 windowed).
 // At Gemma's shape a decode is bound by these instructions, not by the bytes (18 layers' caches
 // from DRAM read in 0.39 ms by a plain stream against 0.66 ms for the kernel), so session 13
 // trimmed them: one shuffle tree for each 4 keys x 4 heads' 16 sums, the 16 keys of a block's
 // softmax as one vector per head, and V widened 32 values per shift + mask (bit-identical):
 // `cpu_decode_ab.py --layers 18 --sequential`, 0.66 -> 0.59 ms full, 0.35 -> 0.30 windowed,
 // --rows 4: 1.35 -> 1.07. AMX tiles for a decode's scores on one C tile's chain ran 10-25%
-// slower than these vector instructions then; on two chains they are faster (amx_scores_fit).
+// slower than these vector instructions then; on more chains they are faster (amx_scores_fit).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -219,11 +220,11 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
 }
 
 // Whether a run takes the AMX scores: bf16, at most 16 vectors, whole 16-key tiles and 32-dim
-// slices. One-row decodes take them too since session 16: with two C-tile chains (the tile
-// multiplies had waited on one chain) and the next block asked for between the slices,
-// `cpu_decode_ab.py --layers 18 --sequential --cold` went 12.12 -> 11.42 ms full, 7.65 -> 7.23
-// windowed; verify runs (--rows 4) 20.08 -> 17.73 and 12.81 -> 11.30. (Session 8
-// had measured a decode's 4 vectors on one chain slower than the vector scores.)
+// slices. One-row decodes take them too since session 16 (session 8 had measured a decode's 4
+// vectors on one C-tile chain slower than the vector scores). With a block's slices on two
+// chains and the next block asked for between them, `cpu_decode_ab.py --layers 18 --sequential
+// --cold` went 12.12 -> 11.42 ms full, 7.65 -> 7.23 windowed, verify runs (--rows 4) 20.08 ->
+// 17.73 and 12.81 -> 11.30; then two blocks per call (attend, below) a further ~5%.
 template <typename T>
 inline bool amx_scores_fit(const Dims& m) {
 #ifdef FLATSERVE_AMX
