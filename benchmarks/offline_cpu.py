@@ -142,9 +142,10 @@ def _child(args: argparse.Namespace) -> None:
         res = run_transformers(prompts, args.max_tokens, args.dtype)
     else:
         res = run_flatserve(prompts, args.max_tokens, args.dtype, **VARIANTS[args.engine])
-    # The process's own high-water mark (what `/usr/bin/time -v` reports): a sampler that adds
-    # the RSS of children counted a forked start-up helper's shared pages (2.9 GiB against 2.07
-    # by time -v, session 15), and stopped at 0.22 GiB when a child exited mid-read (session 16).
+    # The process's own high-water mark (what `/usr/bin/time -v` reports). The 0.1 s sampler this
+    # replaces added the RSS of children, which counted a forked start-up helper's shared pages
+    # (2.9 GiB against 2.07 by time -v, session 15), and once read 0.22 GiB (session 16; most
+    # likely a child that exited mid-read, which ended its sampling).
     res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     print("RESULT " + json.dumps(res), flush=True)
 

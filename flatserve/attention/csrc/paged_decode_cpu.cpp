@@ -236,7 +236,7 @@ inline bool amx_scores_fit(const Dims& m) {
 }
 template <typename T>
 inline bool use_amx_scores(int64_t n, const Dims& m) {
-  return n >= 1 && n * m.g <= 16 && amx_scores_fit<T>(m);
+  return n * m.g <= 16 && amx_scores_fit<T>(m);
 }
 
 // One (sequence, KV head) with its run of n query rows (n = 1 for a decode; k + 1 for a
@@ -400,7 +400,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
     std::vector<float> qf(max_rows * m.g * m.d), acc(max_rows * m.g * m.d), sc(16 * m.bs);
     std::vector<T> qc(max_rows * m.g * m.d);
 #ifdef FLATSERVE_AMX
-    const bool tiles = max_rows >= 1 && amx_scores_fit<T>(m);  // some run may take them
+    const bool tiles = amx_scores_fit<T>(m);  // some run may take them
     if (tiles) flatserve::load_tile_config();
 #endif
 #pragma omp for schedule(dynamic, 1)
