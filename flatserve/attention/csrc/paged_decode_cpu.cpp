@@ -268,12 +268,12 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
   auto lo = [&](int64_t lr) { return m.window > 0 ? std::max<int64_t>(0, lr - m.window) : 0; };
   const int64_t b_end = (len + bs - 1) / bs;
   const int64_t b_first = lo(len - n + 1) / bs;
+  // Offset of block b's first row of this KV head in either cache.
+  auto row0 = [&](int64_t b) { return (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d; };
   auto ahead_of = [&](int64_t b) {  // block b's rows to ask for (none past the end)
     Ahead<T> a;
-    if (b < b_end) {
-      const int64_t nb = static_cast<int64_t>(table[b]) * bs * m.hkv + h;
-      a = {kc + nb * d, vc + nb * d, rs, d * static_cast<int64_t>(sizeof(T)), std::min(bs, len - b * bs), 0};
-    }
+    if (b < b_end)
+      a = {kc + row0(b), vc + row0(b), rs, d * static_cast<int64_t>(sizeof(T)), std::min(bs, len - b * bs), 0};
     return a;
   };
   // AMX scores go 32 keys per call: two blocks of 16 (the next two asked for meanwhile, the
@@ -284,13 +284,15 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
 #ifdef FLATSERVE_AMX
   alignas(64) float sp[2][16 * 16];  // pairs: two blocks' raw scores, [vector][key]
 #endif
+#ifdef FLATSERVE_AMX
+  using BF = c10::BFloat16;
+#endif
   for (int64_t b = b_first; b < b_end; ++b) {
-    const T* kb = kc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
-    const T* vb = vc + (static_cast<int64_t>(table[b]) * bs * m.hkv + h) * d;
+    const T* kb = kc + row0(b);
+    const T* vb = vc + row0(b);
     Ahead<T> ahead;  // the first block_step of this block asks for the next one's rows
     if (!pairs) ahead = ahead_of(b + 1);
 #ifdef FLATSERVE_AMX
-    using BF = c10::BFloat16;
     if (pairs && (b - b_first) % 2 == 0) {
       Ahead<T> a2 = ahead_of(b + 2), a3 = ahead_of(b + 3);
       a3.l2 = true;  // T0 for both measured no better
@@ -299,7 +301,7 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
         f0.upto(f0.rows);
         f1.upto(f1.rows);
       }
-      const T* kn = b + 1 < b_end ? kc + (static_cast<int64_t>(table[b + 1]) * bs * m.hkv + h) * d : nullptr;
+      const T* kn = b + 1 < b_end ? kc + row0(b + 1) : nullptr;
       amx_scores2(reinterpret_cast<const BF*>(kb), reinterpret_cast<const BF*>(kn), rs, d, qt, sp[0], sp[1],
                   16, n * g, a2, a3);
     } else if (amx && !pairs) {
