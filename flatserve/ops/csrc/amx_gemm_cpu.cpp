@@ -165,6 +165,12 @@ inline void spill_rows(const Problem& p, Spill& s, int upto) {
 }
 
 // More rows (verify steps, prefill chunks): 2 x 2 tiles, each loaded A and B tile used twice.
+// B tiles load with the streaming hint (TILELOADDT1): a unit's B (40 KB at K = 640) is used
+// once per row slab, while the slab's A rows (also 40 KB) serve every unit of the block; with
+// plain loads the B lines evicted A from the 48 KB L1 each unit (least recently used), and
+// both came from L2, 4 KB per 4 tile products. benchmarks/cpu_gemm_ab.py, 2,048 rows (two
+// runs): gate_up 1.17x, qkv 1.20-1.25x, o 1.10-1.12x, down (K = 2,048: A 128 KB, no fit) 1.04x;
+// cpu_layer_ab.py (18 layers with the norms) 172.8 -> 161.0 ms.
 // The thread's columns go in blocks of about 768 KB of weight, which stay in L2 while slabs of
 // `slab` row blocks sweep them; within a slab each half-group (32 columns) meets all its row
 // pairs in turn, from L1. A verify step's rows (<= 64) are one slab of 4, so every weight byte
@@ -189,8 +195,8 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
             for (int64_t kb = 0; kb < KB; ++kb) {
               const char* wk = wj + kb * kGroupBytes;
               _tile_loadd(4, xa + kb * 64, K * 2);
-              _tile_loadd(6, wk, 64);        _tile_dpbf16ps(0, 4, 6);
-              _tile_loadd(7, wk + 1024, 64); _tile_dpbf16ps(1, 4, 7);
+              _tile_stream_loadd(6, wk, 64);        _tile_dpbf16ps(0, 4, 6);
+              _tile_stream_loadd(7, wk + 1024, 64); _tile_dpbf16ps(1, 4, 7);
               _tile_loadd(5, xb + kb * 64, K * 2);
               _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
               spill_rows(p, prev, prev.done + per_step);
