@@ -35,12 +35,22 @@ SRC = "flatserve/attention/csrc/paged_decode_cpu.cpp"
 
 
 def build_at_rev(src: str, rev: str, prefix: str) -> object:
-    """The C++ source `src` as it is at git revision `rev`, built under its own module name (the
-    shared headers come from the working tree)."""
-    old = subprocess.run(["git", "show", f"{rev}:{src}"], check=True, capture_output=True, text=True).stdout
-    tmp = Path(tempfile.mkdtemp()) / Path(src).name
-    tmp.write_text(old)
-    return dev.build_cpu_extension(f"{prefix}_{abs(hash(old)) % 10**8}", str(tmp))
+    """The C++ source `src` as it is at git revision `rev`, built under its own module name with
+    the shared headers (flatserve/csrc) as they are at `rev`: they are written beside the
+    source, where its quoted includes look first."""
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True,
+                              text=True).stdout
+    old = show(src)
+    tmp = Path(tempfile.mkdtemp())
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "flatserve/csrc/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    headers = "".join(show(h) for h in names if h.endswith(".h"))
+    for h in names:
+        if h.endswith(".h"):
+            (tmp / Path(h).name).write_text(show(h))
+    (tmp / Path(src).name).write_text(old)
+    return dev.build_cpu_extension(f"{prefix}_{abs(hash(old + headers)) % 10**8}", str(tmp / Path(src).name))
 
 
 def ab_modules(src: str, rev: str, prefix: str, name: str) -> dict[str, object]:

@@ -1,8 +1,9 @@
 // What the AMX kernels share (ops/csrc/amx_gemm_cpu.cpp, attention/csrc/paged_prefill_amx.cpp):
-// FLATSERVE_AMX where the build targets AMX bf16, one tile shape, and the OS grant.
+// FLATSERVE_AMX where the build targets AMX bf16 and int8 (every AMX CPU has both), one tile
+// shape, and the OS grant.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
 #define FLATSERVE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>

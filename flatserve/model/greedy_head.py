@@ -8,24 +8,28 @@ rows that could be the argmax (~200 of 262k per token for the default model:
 benchmarks/cpu_greedy_head.py). The bf16 kernel itself then computes those rows, so the token is
 the one `row_argmax(lm_head(x))` gives, ties included: the bounds are rigorous, not statistical.
 
-The copy is 7-bit (q in [-63, 63], stored as q + 64): the kernel turns a byte u into the bf16 of
-128 + u by pairing it with the byte 0x43 (one unpack per 32 weights), where a full int8 needs
-four conversions per 16 weights (an int8 version, rows in their own layout, ran 8.7 ms against
-~6.3 for the bytes alone). 7 bits double the
-quantization error and with it the candidates (~53 -> ~200 a token); gathering and rescoring a
-few hundred to ~2,000 rows takes 0.1-0.4 ms a step.
+The copy is 7-bit (q in [-63, 63], stored as u = q + 64 in [1, 127]) and goes to AMX int8 tiles
+as it is: u8 x s8 products (TDPBUSD) against x split into integers, x ~= sx (256 xh + xl)
+with xh, xl in s8 (ops/csrc, greedy_amx.h). 7 bits, not 8, because the bf16 kernel before
+this one turned a byte into the bf16 of 128 + u in one unpack, which the int8 tiles no longer
+need; kept, since 8 bits would change the candidates' bound for nothing the kernel gains.
+Candidates: ~200 a token; gathering and rescoring a few hundred to ~2,000 rows takes 0.1-0.4 ms
+a step.
 
-Bound for W row n and x row t, w ~= s_n q_n (per-row symmetric, s_n = max|w_n| / 63):
-    |s_n (x . q_n) as the kernel computes it - the bf16 kernel's fp32 sum for row n| <= |x|_1 c_n,
-    c_n = max_k |w_nk - s_n q_nk|                    (quantization)
+Bound for W row n and x row t, w ~= s_n q_n (per-row symmetric, s_n = max|w_n| / 63), x^ = 256
+xh + xl, E = |x - sx x^|_1 (the kernel's split, computed exactly in float64, rounded up):
+    |s_n sx (x^ . q_n) as the kernel computes it - the bf16 kernel's fp32 sum for row n|
+        <= |x|_1 c_n + 63 s_n E,
+    c_n = max_k |w_nk - s_n q_nk|                    (quantization of w)
         + s_n * 640 * gamma                          (fp32 rounding, below)
-gamma = 2K * 2^-24 over-covers one K-term fp32 sum (K 2^-24 to first order). The rounding
-terms, in units of s_n |x|_1 gamma: the kernel's sum of x (q + 192) (<= 255), 192 sum(x) (192),
-their difference (63) and the bf16 kernel's own sum (|w| <= 63 s_n: 63); 573 <= 640. The 67 spare
-units (>= 67 K 2^-23 s_n |x|_1) cover the rest: fp32 rounding of c itself (|q s - w| <= 63 s 2^-24
-off) and of the kernel's approx +- bound (2^-24 of |approx| <= 63 s_n |x|_1, twice). The kernel
-keeps rows whose upper bound reaches the best lower bound less a bf16 tie margin
-(ops/csrc/amx_gemm_cpu.cpp, `greedy_candidates`).
+and 63 s_n E covers s_n (x - sx x^) . q_n. gamma = 2K * 2^-24 over-covers one K-term fp32 sum
+(K 2^-24 to first order). The rounding terms, in units of s_n |x|_1 gamma: the bf16 kernel's own
+sum (|w| <= 63 s_n: 63); the integer sums are exact in int32 and the kernel's few fp32 steps on
+them (two int -> float conversions, 256 h + l, sx s_n, the product) round 5 times a value of at
+most 63 s_n |x|_1 (1 + 0.008 K): under 4 units for any K >= 64. The spare units cover the rest:
+fp32 rounding of c itself (|q s - w| <= 63 s 2^-24 off) and of the kernel's approx +- bound
+(2^-24 of |approx|, twice). The kernel keeps rows whose upper bound reaches the best lower bound
+less a bf16 tie margin (ops/csrc/amx_gemm_cpu.cpp, `greedy_candidates`).
 
 The copy costs memory (N x K bytes + 12 N: 171 MB for Gemma 3 270M), counted as weights; rows
 that need logits (sampling, penalties, logprobs) still read the bf16 head.
@@ -39,7 +43,7 @@ from flatserve import device as dev
 
 MAX_ROWS = 16  # one tile of tokens; verify steps with more rows take the bf16 head
 UNION_CAP = 8  # past N / UNION_CAP candidate rows, gathering them costs more than the head
-LEVELS = 63  # |q| <= 63: q + 64 fits the 7 mantissa bits of bf16(128 + u)
+LEVELS = 63  # |q| <= 63: u = q + 64 in [1, 127]
 
 
 def quantize_7bit(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,26 +66,26 @@ def quantize_7bit(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, tor
 
 
 def greedy_layout(u: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """u [N, K] -> the kernel's order, [N, K] in memory: [N/64, K/32] pieces of 64 rows x 32 k,
-    each 64-row group's pieces one contiguous stream; inside a piece, per row pair (r, r + 1)
-    and 8-k chunk j, u[r][8j:8j+8] then u[r + 1][8j:8j+8] (the kernel's byte unpack,
-    ops/csrc/amx_gemm_cpu.cpp `u7_piece_to_bf16`, turns that into rows r and r + 1 in bf16).
-    In chunks of rows (multiples of 64), so that no whole-head temporary is made."""
+    """u [N, K] -> the kernel's order, [N, K64] in memory (K64: K rounded up to 64, the extra
+    columns u = 64, i.e. q = 0): [N/32, K64/64] pieces of 32 rows x 64 k, each 32-row group's
+    pieces one contiguous stream, each piece two 16-row AMX A tiles (ops/csrc, greedy_amx.h).
+    In chunks of rows (multiples of 32), so that no whole-head temporary is made."""
     n, k = u.shape
-    out = torch.empty_like(u)
+    k64 = (k + 63) // 64 * 64
+    out = torch.full((n, k64), 64, dtype=torch.uint8)
     for i in range(0, n, chunk):
         c = u[i:i + chunk]
-        g = c.shape[0] // 64
-        pieces = c.reshape(g, 64, k // 32, 32).transpose(1, 2).contiguous()  # [G, K/32, 64, 32]
-        pairs = pieces.view(g, k // 32, 32, 2, 4, 8).transpose(3, 4)  # [.., pair, chunk, row, 8]
-        out[i:i + chunk].view(g, k // 32, 32, 4, 2, 8).copy_(pairs)
+        g = c.shape[0] // 32
+        padded = torch.full((c.shape[0], k64), 64, dtype=torch.uint8)
+        padded[:, :k] = c
+        out[i:i + chunk].view(g, k64 // 64, 32, 64).copy_(
+            padded.view(g, 32, k64 // 64, 64).transpose(1, 2))
     return out
 
 
 def x_stats(x: torch.Tensor) -> torch.Tensor:
-    """[2, M] fp32: |x_t|_1 rounded up for its own K-term sum, and sum(x_t)."""
-    xf = x.float()
-    return torch.stack([xf.abs().sum(1) * (1 + x.shape[1] * 2.0**-23), xf.sum(1)]).contiguous()
+    """[M] fp32: |x_t|_1, rounded up for its own K-term sum."""
+    return (x.float().abs().sum(1) * (1 + x.shape[1] * 2.0**-23)).contiguous()
 
 
 class Int8GreedyHead(nn.Module):

@@ -93,6 +93,31 @@ def test_bound_holds_against_float64() -> None:
 
 
 @needs_amx
+def test_the_bound_covers_what_the_split_of_x_drops() -> None:
+    """The kernel splits x into integers at 16 bits of max|x|; an outlier channel makes the
+    other channels round to zero there. Row b gains only through those channels (its logit
+    ~8.9), row a through one channel that survives (~2.0): the kernel's estimates rank a first,
+    and only the bound's 63 s E term keeps b, the bf16 head's argmax, among the candidates."""
+    k, a, b, m, out = 640, 3, 17, 5, 7
+    w = torch.zeros(64, k)
+    w[b] = 63 / 64
+    w[b, m] = w[b, out] = 0
+    w[a, m] = 40 / 64
+    head = amx.AMXLinear(w.bfloat16(), None, plain=True)
+    greedy = Int8GreedyHead(head)
+    sx = 1024 / 32639  # the kernel's scale for max|x| = 1024
+    x = torch.full((1, k), 0.45 * sx)
+    x[0, out], x[0, m] = 1024, 100.4 * sx
+    x = x.bfloat16()
+    logits = head(x).float()[0]
+    assert dev.row_argmax(head(x)).item() == b and logits[b] - logits[a] > 4
+    off, cand, _ = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
+                                              x_stats(x))
+    assert b in cand[off[0]:off[1]].tolist()
+    assert greedy(x).item() == b
+
+
+@needs_amx
 def test_nan_and_many_rows_take_the_full_head() -> None:
     head = _head(64 * 20, 64, True, [])
     greedy = Int8GreedyHead(head)

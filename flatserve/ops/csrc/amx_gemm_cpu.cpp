@@ -430,36 +430,38 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
 
 }  // namespace
 
-// x [M <= 16, K] bf16; wq [N, K] bytes q + 64 in the greedy layout above (N % 64 == 0,
-// K % 32 == 0); s, c [N] fp32; xstat [2, M] fp32 (|x_t|_1 rounded up, sum(x_t)) ->
-// (offsets [M + 1], rows [total], union [U]) int64: per token, ascending W rows that may hold
-// the bf16 head's argmax (the argmax among equals included), and all tokens' rows ascending
-// without repeats. A token with no candidate (NaN in x) gets none: the caller takes the full head.
+// x [M <= 16, K] bf16; wq [N, K64] bytes q + 64 in the greedy layout of greedy_amx.h (N % 32 ==
+// 0, K64 = K rounded up to 64, the extra columns 64: q = 0); s, c [N] fp32; xabs [M] fp32 (|x_t|_1
+// rounded up) -> (offsets [M + 1], rows [total], union [U]) int64: per token, ascending W rows
+// that may hold the bf16 head's argmax (the argmax among equals included), and all tokens' rows
+// ascending without repeats. A token with no candidate (NaN in x) gets none: the caller takes
+// the full head.
 std::vector<torch::Tensor> greedy_candidates(const torch::Tensor& x, const torch::Tensor& wq,
                                              const torch::Tensor& s, const torch::Tensor& c,
-                                             const torch::Tensor& xstat) {
+                                             const torch::Tensor& xabs) {
   TORCH_CHECK(available(), "AMX bf16 tiles are not available in this process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) <= 16 &&
               wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous() &&
-              wq.size(1) == x.size(1) && wq.size(0) % 64 == 0 && x.size(1) % 32 == 0,
-              "amx greedy_candidates: x [M <= 16, K] bf16, wq [N % 64, K % 32] uint8; got x ",
+              wq.size(1) == (x.size(1) + 63) / 64 * 64 && wq.size(0) % 32 == 0,
+              "amx greedy_candidates: x [M <= 16, K] bf16, wq [N % 32, K rounded up to 64] uint8; got x ",
               x.sizes(), ", wq ", wq.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = wq.size(0);
-  TORCH_CHECK(s.numel() == N && c.numel() == N && xstat.numel() == 2 * M && s.is_contiguous() &&
-              c.is_contiguous() && xstat.is_contiguous() && s.scalar_type() == at::kFloat &&
-              c.scalar_type() == at::kFloat && xstat.scalar_type() == at::kFloat,
-              "amx greedy_candidates: s, c [N] and xstat [2, M] fp32");
+  TORCH_CHECK(s.numel() == N && c.numel() == N && xabs.numel() == M && s.is_contiguous() &&
+              c.is_contiguous() && xabs.is_contiguous() && s.scalar_type() == at::kFloat &&
+              c.scalar_type() == at::kFloat && xabs.scalar_type() == at::kFloat,
+              "amx greedy_candidates: s, c [N] and xabs [M] fp32");
   std::vector<int64_t> offsets(M + 1, 0), rows, all;
 #ifdef FLATSERVE_AMX
-  std::vector<uint32_t> xt_buf;
-  const char* xt = pack_xt(x, 1, xt_buf);
-  const int64_t G = N / 64, P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), G));
+  flatserve::greedy::X8 x8;
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  flatserve::greedy::pack_x8(xf.data_ptr<float>(), M, K, x8);
+  const int64_t G = N / 32, P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), G));
   std::vector<GreedyPart> parts(P);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     flatserve::load_tile_config();
     for (int64_t p = p0; p < p1; ++p)
       greedy_rows(wq.data_ptr<uint8_t>(), s.data_ptr<float>(), c.data_ptr<float>(),
-                  xstat.data_ptr<float>(), xt, M, K, G * p / P, G * (p + 1) / P, parts[p]);
+                  xabs.data_ptr<float>(), x8, M, K, G * p / P, G * (p + 1) / P, parts[p]);
     _tile_release();
   });
   for (int64_t t = 0; t < M; ++t) {
