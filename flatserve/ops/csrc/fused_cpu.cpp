@@ -60,23 +60,11 @@ inline __m512 bf16_lanes(const uint16_t* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 // bf16 RMSNorm and q/k norm + rotary rows in 16-lane vectors (norm_row and rope_head hand them
-// over), with the generic loops' roundings (the sum of squares in 16 lanes, then one reduction). GCC kept those loops on 256-bit
-// vectors with scalar reductions and remainders; a prompt step's q/k norm + rotary took ~0.9 ms
-// a layer at 2,016 tokens (~2 cycles an element, cpu_profile_step.py 16 --generate).
-inline __m512 bf16x16(const at::BFloat16* p) {
-  return bf16_lanes(reinterpret_cast<const uint16_t*>(p), static_cast<__mmask16>(0xFFFF));
-}
-inline void store_bf16x16(at::BFloat16* p, __m512 rounded) {  // exact: already bf16 values
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rounded)));
-}
+// over), with the generic loops' roundings (the sum of squares in 16 lanes, then one
+// reduction). GCC kept those loops on 256-bit vectors with scalar reductions and remainders; a
+// prompt step's q/k norm + rotary took ~0.9 ms a layer at 2,016 tokens (~2 cycles an element,
+// cpu_profile_step.py 16 --generate).
 using flatserve::round_bf16;
-
-// x * inv scaled by the weight as the generic loops do: round(x inv (1 + w)) or w * round(x inv).
-inline __m512 norm_scale(__m512 x, __m512 inv, __m512 w, bool offset) {
-  const __m512 v = _mm512_mul_ps(x, inv);
-  return offset ? round_bf16(_mm512_mul_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), w)))
-                : round_bf16(_mm512_mul_ps(w, round_bf16(v)));
-}
 
 // 16 bf16 values (unaligned, all lanes) -> fp32; 16 fp32 values -> bf16, rounded to nearest even.
 inline __m512 bf16_load(const uint16_t* p) {
@@ -119,29 +107,34 @@ void norm_row_bf16(const at::BFloat16* x_, at::BFloat16* r_, const float* wf, at
   }
 }
 
-// rope_head for bf16 heads of half % 16 == 0.
-void rope_head_bf16(at::BFloat16* h, const at::BFloat16* w, const float* cosp, const float* sinp,
+// rope_head for bf16 heads of half % 16 == 0; wf: the norm weight as fp32 (1 + w with the
+// offset), made once a call, as norm_row_bf16 takes it. The results are packed to bf16 once.
+void rope_head_bf16(at::BFloat16* h_, const float* wf, const float* cosp, const float* sinp,
                     int64_t half, float eps, bool norm, bool offset, float* buf) {
+  uint16_t* h = reinterpret_cast<uint16_t*>(h_);
   const int64_t d = 2 * half;
   __m512 ss = _mm512_setzero_ps();
   for (int64_t i = 0; i < d; i += 16) {
-    const __m512 v = bf16x16(h + i);
+    const __m512 v = bf16_load(h + i);
     _mm512_storeu_ps(buf + i, v);
     ss = _mm512_fmadd_ps(v, v, ss);
   }
   if (norm) {
     const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
-    for (int64_t i = 0; i < d; i += 16)
-      _mm512_storeu_ps(buf + i, norm_scale(_mm512_loadu_ps(buf + i), inv, bf16x16(w + i), offset));
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(buf + i), inv), w = _mm512_loadu_ps(wf + i);
+      _mm512_storeu_ps(buf + i, offset ? round_bf16(_mm512_mul_ps(v, w))
+                                       : round_bf16(_mm512_mul_ps(w, round_bf16(v))));
+    }
   }
   for (int64_t i = 0; i < half; i += 16) {
     const __m512 c = round_bf16(_mm512_loadu_ps(cosp + i)), s = round_bf16(_mm512_loadu_ps(sinp + i));
     const __m512 x1 = _mm512_loadu_ps(buf + i), x2 = _mm512_loadu_ps(buf + half + i);
     // rnd(x1 c) + rnd(-x2 s) == rnd(x1 c) - rnd(x2 s): RNE is symmetric
-    store_bf16x16(h + i, round_bf16(_mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)),
-                                                  round_bf16(_mm512_mul_ps(x2, s)))));
-    store_bf16x16(h + half + i, round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)),
-                                                         round_bf16(_mm512_mul_ps(x1, s)))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), bf16_pack(_mm512_sub_ps(
+                            round_bf16(_mm512_mul_ps(x1, c)), round_bf16(_mm512_mul_ps(x2, s)))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + half + i), bf16_pack(_mm512_add_ps(
+                            round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s)))));
   }
 }
 #endif
@@ -295,10 +288,10 @@ void act_mul_t(const at::Tensor& x, at::Tensor& y, bool gelu) {
 // In place on one head [2 * half]: optional RMSNorm, then neox rotary from cos/sin rows.
 template <typename T>
 void rope_head(T* h, const T* w, const float* cosp, const float* sinp, int64_t half, float eps,
-               bool norm, bool offset, float* buf) {
+               bool norm, bool offset, float* buf, const float* wf = nullptr) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (half % 16 == 0) return rope_head_bf16(h, w, cosp, sinp, half, eps, norm, offset, buf);
+    if (wf != nullptr) return rope_head_bf16(h, wf, cosp, sinp, half, eps, norm, offset, buf);
   }
 #endif
   using C = Cv<T>;
@@ -338,6 +331,19 @@ void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Te
   const float* cp = cs.data_ptr<float>();
   const T* qwp = norm ? qw.data_ptr<T>() : nullptr;
   const T* kwp = norm ? kw.data_ptr<T>() : nullptr;
+  // The bf16 vector path's fp32 norm weights (q's, then k's; zeros without the norm), made once.
+  std::vector<float> wf;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (std::is_same_v<T, at::BFloat16> && d % 32 == 0) {
+    wf.assign(2 * d, 0.f);
+    for (int64_t i = 0; norm && i < d; ++i) {
+      wf[i] = offset ? 1.f + static_cast<float>(qwp[i]) : static_cast<float>(qwp[i]);
+      wf[d + i] = offset ? 1.f + static_cast<float>(kwp[i]) : static_cast<float>(kwp[i]);
+    }
+  }
+#endif
+  const float* qwf = wf.empty() ? nullptr : wf.data();
+  const float* kwf = wf.empty() ? nullptr : wf.data() + d;
   at::parallel_for(0, T_, 8, [&](int64_t b, int64_t e) {
     std::vector<float> buf(d);
     for (int64_t t = b; t < e; ++t) {
@@ -345,10 +351,10 @@ void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Te
       const float* sinp = cp + (P + pp[t]) * d;
       for (int64_t h = 0; h < Hq; ++h)
         rope_head<T>(qp + t * q.stride(0) + h * q.stride(1), qwp, cosp, sinp, d / 2,
-                     static_cast<float>(eps), norm, offset, buf.data());
+                     static_cast<float>(eps), norm, offset, buf.data(), qwf);
       for (int64_t h = 0; h < Hk; ++h)
         rope_head<T>(kp + t * k.stride(0) + h * k.stride(1), kwp, cosp, sinp, d / 2,
-                     static_cast<float>(eps), norm, offset, buf.data());
+                     static_cast<float>(eps), norm, offset, buf.data(), kwf);
     }
   });
 }
