@@ -120,7 +120,8 @@ void rope_head_bf16(at::BFloat16* h_, const float* wf, const float* cosp, const 
     ss = _mm512_fmadd_ps(v, v, ss);
   }
   if (norm) {
-    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
+    const float mean = _mm512_reduce_add_ps(ss) / static_cast<float>(d);
+    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(mean + eps));
     for (int64_t i = 0; i < d; i += 16) {
       const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(buf + i), inv), w = _mm512_loadu_ps(wf + i);
       _mm512_storeu_ps(buf + i, offset ? round_bf16(_mm512_mul_ps(v, w))
