@@ -163,8 +163,10 @@ void greedy_rows(const uint8_t* wq, const float* s, const float* c, const float*
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t kb = 0; kb < KS; ++kb) {
       const uint8_t* wk = wg + kb * 2048;  // [32 rows][64 k]
-      for (int b = 0; b < 2048; b += 64)
+      for (int b = 0; b < 2048; b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(wk) + kGreedyPrefetch + b, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + 4096 + b, _MM_HINT_T0);
+      }
       _tile_loadd(6, x8.at(kb), 64);
       _tile_loadd(7, x8.at(kb) + 1024, 64);
       _tile_loadd(4, wk, 64);         _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 4, 7);
