@@ -33,7 +33,10 @@ namespace flatserve::greedy {
 // bound by more than the bf16 rounding of the logits cannot be, or tie with, the bf16 head's argmax.
 // Into L2, 40 KB ahead: of T0 at 4-16 KB and T1 at 16-80 KB, the best on the 262k x 640 head
 // (bf16 kernel, scratch runs), and with no prefetch the int8 stream read 6.4 against 5.9 ms.
+// Then into L1, 4 KB ahead, for the tile loads (benchmarks/cpu_greedy_ab.py, two runs: 6.58 ->
+// 6.31 and 6.36 -> 6.08 ms; 8 KB ahead 6.37 against 6.31).
 constexpr int64_t kGreedyPrefetch = 40 * 1024;
+constexpr int64_t kGreedyPrefetchL1 = 4 * 1024;
 constexpr int kGreedyX = 32639;  // |x^| <= 127 * 256 + 127
 
 struct Cand {
@@ -165,7 +168,7 @@ void greedy_rows(const uint8_t* wq, const float* s, const float* c, const float*
       const uint8_t* wk = wg + kb * 2048;  // [32 rows][64 k]
       for (int b = 0; b < 2048; b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(wk) + kGreedyPrefetch + b, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(wk) + 4096 + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + kGreedyPrefetchL1 + b, _MM_HINT_T0);
       }
       _tile_loadd(6, x8.at(kb), 64);
       _tile_loadd(7, x8.at(kb) + 1024, 64);
