@@ -27,7 +27,7 @@ namespace flatserve::greedy {
 // before this turned each 2 KB piece into 4 KB of bf16 in L1 and loaded tiles from there; in a
 // scratch stream of the 168 MB copy (cold, both cores) those tile loads alone cost ~0.9 ms over
 // the plain read (5.5-5.9 ms), the conversion itself ~0.2, and tiles straight from the stream on
-// TDPBUSD ~0.3-0.4. Layout [N/32][K/64] pieces of 32 rows x 64 k (greedy_layout), so each
+// TDPBUSD ~0.2-0.4. Layout [N/32][K/64] pieces of 32 rows x 64 k (greedy_layout), so each
 // 32-row group is one contiguous stream and a piece is two 1 KB A tiles. Per token it keeps the
 // best lower bound and every row whose upper bound reaches it; rows below the final best lower
 // bound by more than the bf16 rounding of the logits cannot be, or tie with, the bf16 head's argmax.
