@@ -41,16 +41,14 @@ def build_at_rev(src: str, rev: str, prefix: str) -> object:
     def show(path: str) -> str:
         return subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True,
                               text=True).stdout
-    old = show(src)
     tmp = Path(tempfile.mkdtemp())
     names = subprocess.run(["git", "ls-tree", "--name-only", rev, "flatserve/csrc/"], check=True,
                            capture_output=True, text=True).stdout.split()
-    headers = "".join(show(h) for h in names if h.endswith(".h"))
-    for h in names:
-        if h.endswith(".h"):
-            (tmp / Path(h).name).write_text(show(h))
-    (tmp / Path(src).name).write_text(old)
-    return dev.build_cpu_extension(f"{prefix}_{abs(hash(old + headers)) % 10**8}", str(tmp / Path(src).name))
+    files = {Path(p).name: show(p) for p in [*names, src] if p == src or p.endswith(".h")}
+    for name, text in files.items():
+        (tmp / name).write_text(text)
+    tag = abs(hash("".join(files.values()))) % 10**8
+    return dev.build_cpu_extension(f"{prefix}_{tag}", str(tmp / Path(src).name))
 
 
 def ab_modules(src: str, rev: str, prefix: str, name: str) -> dict[str, object]:

@@ -37,6 +37,7 @@ that need logits (sampling, penalties, logprobs) still read the bf16 head.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flatserve import device as dev
@@ -76,8 +77,7 @@ def greedy_layout(u: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
     for i in range(0, n, chunk):
         c = u[i:i + chunk]
         g = c.shape[0] // 32
-        padded = torch.full((c.shape[0], k64), 64, dtype=torch.uint8)
-        padded[:, :k] = c
+        padded = F.pad(c, (0, k64 - k), value=64)
         out[i:i + chunk].view(g, k64 // 64, 32, 64).copy_(
             padded.view(g, 32, k64 // 64, 64).transpose(1, 2))
     return out

@@ -67,13 +67,12 @@ inline __m512 bf16_lanes(const uint16_t* p, __mmask16 k) {
 using flatserve::round_bf16;
 
 // 16 bf16 values (unaligned, all lanes) -> fp32; 16 fp32 values -> bf16, rounded to nearest even.
-inline __m512 bf16_load(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 inline __m256i bf16_pack(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
 inline __m512 bf16_unpack(__m256i b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+inline __m512 bf16_load(const uint16_t* p) {
+  return bf16_unpack(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // norm_row for bf16 rows of n % 16 == 0, the weight given as fp32 `wf` (1 + w with the offset,
@@ -178,6 +177,21 @@ void norm_row(const T* x, T* r, const T* w, T* y, int64_t n, float eps, bool off
   }
 }
 
+// A norm weight [n] as the bf16 vector paths take it: fp32, 1 + w with the offset (the value the
+// generic loops form per element), zeros for no weight; empty for other dtypes, for rows the
+// vector path does not take (`fits` false), or without AVX512-BF16.
+template <typename T>
+std::vector<float> vector_weight(const T* w, int64_t n, bool offset, bool fits) {
+  std::vector<float> out;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (!std::is_same_v<T, at::BFloat16> || !fits) return out;
+  out.assign(n, 0.f);
+  for (int64_t i = 0; w != nullptr && i < n; ++i)
+    out[i] = offset ? 1.f + static_cast<float>(w[i]) : static_cast<float>(w[i]);
+#endif
+  return out;
+}
+
 // y = norm(x) with w, or with residual r: r += x first and y = norm(r). With w2 (the pair):
 // t = norm(x) with w rounded to T as a call would store it, then r += t and y = norm(r) with w2,
 // t never leaving the row buffer (Gemma's post-attention norm, then the pre-MLP norm of the
@@ -193,31 +207,23 @@ void rms_norm_t(const at::Tensor& x, const at::Tensor& w, const at::Tensor* w2, 
   T* rp = res != nullptr ? res->data_ptr<T>() : nullptr;
   const int64_t sx = x.stride(0), sr = res != nullptr ? res->stride(0) : 0;
   const float e = static_cast<float>(eps);
-  // The bf16 vector path's fp32 weights, made once: [w or 1 + w, then w2's].
-  std::vector<float> wf;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if (std::is_same_v<T, at::BFloat16> && H % 16 == 0) {
-    wf.resize(2 * H);
-    for (int64_t i = 0; i < H; ++i) {
-      wf[i] = offset ? 1.f + static_cast<float>(wp[i]) : static_cast<float>(wp[i]);
-      if (w2p != nullptr) wf[H + i] = offset ? 1.f + static_cast<float>(w2p[i]) : static_cast<float>(w2p[i]);
-    }
-  }
-#endif
+  // The bf16 vector path's fp32 weights (empty where the generic loop runs).
+  const std::vector<float> wf = vector_weight<T>(wp, H, offset, H % 16 == 0);
+  const std::vector<float> wf2 = w2p ? vector_weight<T>(w2p, H, offset, H % 16 == 0) : std::vector<float>();
+  auto ptr = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t end) {
     std::vector<float> buf(H);
     std::vector<T> mid(w2p != nullptr ? H : 0);
-    auto row = [&](const T* in, T* r, const T* wr, T* out) {
-      const float* f = wf.empty() ? nullptr : wf.data() + (wr == wp ? 0 : H);
+    auto row = [&](const T* in, T* r, const T* wr, const float* f, T* out) {
       norm_row<T>(in, r, wr, out, H, e, offset, buf.data(), f);
     };
     for (int64_t i = b; i < end; ++i) {
       T* r = rp ? rp + i * sr : nullptr;
       if (w2p == nullptr) {
-        row(xp + i * sx, r, wp, yp + i * H);
+        row(xp + i * sx, r, wp, ptr(wf), yp + i * H);
       } else {
-        row(xp + i * sx, nullptr, wp, mid.data());
-        row(mid.data(), r, w2p, yp + i * H);
+        row(xp + i * sx, nullptr, wp, ptr(wf), mid.data());
+        row(mid.data(), r, w2p, ptr(wf2), yp + i * H);
       }
     }
   });
@@ -332,19 +338,12 @@ void qk_rope_t(at::Tensor& q, at::Tensor& k, const at::Tensor& pos, const at::Te
   const float* cp = cs.data_ptr<float>();
   const T* qwp = norm ? qw.data_ptr<T>() : nullptr;
   const T* kwp = norm ? kw.data_ptr<T>() : nullptr;
-  // The bf16 vector path's fp32 norm weights (q's, then k's; zeros without the norm), made once.
-  std::vector<float> wf;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if (std::is_same_v<T, at::BFloat16> && d % 32 == 0) {
-    wf.assign(2 * d, 0.f);
-    for (int64_t i = 0; norm && i < d; ++i) {
-      wf[i] = offset ? 1.f + static_cast<float>(qwp[i]) : static_cast<float>(qwp[i]);
-      wf[d + i] = offset ? 1.f + static_cast<float>(kwp[i]) : static_cast<float>(kwp[i]);
-    }
-  }
-#endif
-  const float* qwf = wf.empty() ? nullptr : wf.data();
-  const float* kwf = wf.empty() ? nullptr : wf.data() + d;
+  // The bf16 vector path's fp32 norm weights (zeros without the norm; empty where the generic
+  // loop runs).
+  const std::vector<float> qv = vector_weight<T>(qwp, d, offset, d % 32 == 0);
+  const std::vector<float> kv = vector_weight<T>(kwp, d, offset, d % 32 == 0);
+  const float* qwf = qv.empty() ? nullptr : qv.data();
+  const float* kwf = kv.empty() ? nullptr : kv.data();
   at::parallel_for(0, T_, 8, [&](int64_t b, int64_t e) {
     std::vector<float> buf(d);
     for (int64_t t = b; t < e; ++t) {
