@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 import time
@@ -15,10 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, ".")
 
-
-def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(n)]
+from flatserve.bench.gpu import copy_bandwidth, prompts  # noqa: E402
 
 
 def run_flatserve(a: argparse.Namespace) -> dict:
@@ -56,7 +52,9 @@ def run_flatserve(a: argparse.Namespace) -> dict:
     step = decode_step_times(llm, vocab, a)
     return {"wall": wall, "out_tokens": n, "tok_per_s": n / wall, "req_per_s": len(ps) / wall,
             "fused_ops": sorted(llm.engine.state.fused_ops), "async": llm.engine.async_mode,
-            "kv_blocks": llm.engine.state.budget.num_blocks, "prefix_hit_tokens": hits, **lat, **step}
+            "kv_blocks": llm.engine.state.budget.num_blocks, "prefix_hit_tokens": hits,
+            "max_num_seqs": llm.engine.cfg.max_num_seqs,
+            "max_num_batched_tokens": llm.engine.cfg.max_num_batched_tokens, **lat, **step}
 
 
 def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
@@ -64,13 +62,11 @@ def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
     interval of 30 back-to-back steps, and their mean. Stepped as `LLM.generate` steps
     (`emit_unfinished=False`: no text built for unfinished requests); `..._stream_...` is the
     same batch stepped as the server steps (every request's text and output object each step)."""
-    from benchmarks.step_breakdown import _copy_bandwidth
-
     st = llm.engine.state
-    bw = _copy_bandwidth()
+    bw = copy_bandwidth()
     res = {"copy_GBps": bw / 1e9, "weights_GB": st.weights_bytes / 1e9}
     for bs in (64, 256):
-        if bs <= a.max_num_seqs:
+        if bs <= llm.engine.cfg.max_num_seqs:
             # Memory floor of one step: every weight and every cached K/V byte read once. The
             # timed steps run at contexts input + 4 .. input + 34: their mean is input + 19.
             kv = bs * (a.input + 19) * st.model.kv_bytes_per_token * 2  # bf16
@@ -135,8 +131,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=500)
     ap.add_argument("--input", type=int, default=512)
     ap.add_argument("--output", type=int, default=128)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    # Unset: the engine's own defaults (sized by the device), which is what users get.
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--fused-ops", default="auto", help="auto | none | comma list (flatserve/ops)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
@@ -159,7 +156,7 @@ def main() -> None:
             f"--{k}={v}" for k, v in (("prompts", a.prompts), ("input", a.input), ("output", a.output),
                                       ("max-num-seqs", a.max_num_seqs),
                                       ("max-num-batched-tokens", a.max_num_batched_tokens),
-                                      ("fused-ops", a.fused_ops))] + (["--enforce-eager"] * a.enforce_eager) + (
+                                      ("fused-ops", a.fused_ops)) if v is not None] + (["--enforce-eager"] * a.enforce_eager) + (
             [] if a.async_scheduling is None else
             ["--async-scheduling" if a.async_scheduling else "--no-async-scheduling"])
         try:

@@ -21,26 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, ".")
 
-
-def _copy_bandwidth() -> float:
-    import torch
-
-    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (time.perf_counter() - t)  # bytes read + written per second
+from flatserve.bench.gpu import copy_bandwidth  # noqa: E402
 
 
 def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dict:
     import torch
 
-    from benchmarks.offline_gpu import prompts
+    from flatserve.bench.gpu import prompts
     from flatserve import SamplingParams
     from flatserve.runner import build_flat_batch
     from flatserve.engine.sampler import expand
@@ -156,7 +143,7 @@ def main() -> None:
     m = llm.engine.state.model
     weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     kv_per_tok = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
-    bw = _copy_bandwidth()
+    bw = copy_bandwidth()
     rows = []
     for b in batches:
         r = measure(llm, b, a.ctx, a.steps, a.profile)

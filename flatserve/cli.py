@@ -20,8 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "chunks on torch SDPA instead of the AMX prefill kernel)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: sized by the device (64 on CPUs, up to 512 on GPUs)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: sized by the device (2,048 on CPUs, up to 32,768 on GPUs)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="e.g. 4GiB")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--os-reserve-gb", type=float, default=None)

@@ -19,8 +19,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | mps
     attention_backend: str | None = None  # None: follows the device (torch on cpu/mps)
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # None: sized by the device at start-up (flatserve/engine/limits.py: 64 / 2,048 on CPUs, up
+    # to 512 / 32,768 on an 80 GB GPU); EngineState.config holds the values in force.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -65,9 +67,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

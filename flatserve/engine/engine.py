@@ -49,10 +49,11 @@ class _Parent:
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
         self.state: EngineState
         self.state, self.tokenizer, self.runner, draft_runner = start_up(cfg)
         s = self.state
+        assert s.config is not None
+        self.cfg = cfg = s.config  # the step limits as sized at start-up
         self.kv = KVCacheManager(s.budget.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.spec = SpecStats()
         self.async_mode = resolve_async(cfg, s.device.type)

@@ -4,6 +4,7 @@ What it finds goes into `EngineState`, never back into the frozen EngineConfig.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 from flatserve import device as dev
 from flatserve import ops
 from flatserve.config import EngineConfig
+from flatserve.engine.limits import size_limits
 from flatserve.engine.request import Request
 from flatserve.engine.sampler import Sampler
 from flatserve.engine.sampling_params import SamplingParams
@@ -40,6 +42,7 @@ class EngineState:
     weights_bytes: int
     fused_ops: frozenset[str] = frozenset()  # flatserve/ops kernels swapped in
     cpu_gemm: str = "torch"  # how linears run: amx | onednn (pre-packed, CPU bf16) | torch
+    config: EngineConfig | None = None  # the config in force: step limits sized by the device
 
     @property
     def max_model_len(self) -> int:
@@ -162,6 +165,12 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
+    limits = size_limits(cfg.max_num_seqs, cfg.max_num_batched_tokens, device.type, probe.total,
+                         mcfg.hidden_size, mcfg.intermediate_size,
+                         torch.empty((), dtype=dtype).element_size())
+    log.info(limits.line())
+    cfg = dataclasses.replace(cfg, max_num_seqs=limits.max_num_seqs,
+                              max_num_batched_tokens=limits.max_num_batched_tokens)
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
     if cfg.quantization:
         weights = _quantize(model, device)
@@ -211,7 +220,7 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
         draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend,
         on_demand=True, cpu_stack=not cfg.enforce_eager)
     state = EngineState(mcfg, src, device, dtype, backend, budget,
-                        _eos_ids(mcfg, tokenizer, src), weights, fused, gemm)
+                        _eos_ids(mcfg, tokenizer, src), weights, fused, gemm, cfg)
     return state, tokenizer, runner, draft_runner
 
 

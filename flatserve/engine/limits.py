@@ -1,0 +1,57 @@
+"""The step's size limits, sized by the device when the user leaves them unset (vLLM's rule).
+
+`max_num_seqs` and `max_num_batched_tokens` set how much work one step may carry. On a
+datacenter GPU a step of 64 sequences leaves most of the chip idle: on an H100
+(`benchmarks/offline_gpu.py --shape qwen3-0.6b`, 500 x 512/128, 2026-11-24) 64 / 2,048 gave
+12,035 out tok/s and 512 / 32,768 gave 22,436. A CPU is the other way round: its decode step is
+memory-bound at 16-64 rows and a 2,048-token prompt chunk already takes ~0.25 s on 2 cores
+(docs/benchmarks/cpu.md), so larger steps only raise the time to first token. Flags override.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flatserve.memory import GiB
+
+CPU_SEQS, CPU_TOKENS = 64, 2048  # measured right on CPUs (docs/benchmarks/cpu.md)
+# (device memory at least, sequences, batched tokens): the GPU tiers. 60 GiB covers the
+# H100/H200/A100-80G class; 20 GiB the 24-48 GiB cards (L4, A10, RTX 4090, L40S).
+GPU_TIERS = ((60 * GiB, 512, 32768), (20 * GiB, 256, 16384), (0, 128, 8192))
+ACTIVATION_SHARE = 0.1  # a step's activations may take at most this share of device memory
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    why: str  # for the start-up line
+
+    def line(self) -> str:
+        return f"step limits: {self.max_num_seqs} sequences, {self.max_num_batched_tokens} " \
+               f"batched tokens ({self.why})"
+
+
+def size_limits(seqs: int | None, tokens: int | None, device_type: str, total_memory: int,
+                hidden: int, intermediate: int, elt: int) -> StepLimits:
+    """The user's values where set; else by device: the GPU tier of `total_memory`, with the
+    token budget halved until one step's activations (~hidden x 6 + intermediate x 3 values a
+    token: residual, norms, q/k/v/o, gate/up/act) fit ACTIVATION_SHARE of the memory."""
+    if device_type != "cuda":
+        why = "CPU defaults" if device_type == "cpu" else f"{device_type} defaults"
+        return _fill(seqs, tokens, CPU_SEQS, CPU_TOKENS, why)
+    gib = total_memory / GiB
+    _, d_seqs, d_tokens = next(t for t in GPU_TIERS if total_memory >= t[0])
+    per_token = (6 * hidden + 3 * intermediate) * elt
+    while d_tokens > 2048 and d_tokens * per_token > ACTIVATION_SHARE * total_memory:
+        d_tokens //= 2
+    d_tokens = max(d_tokens, d_seqs)  # a decode step of every sequence must fit one step
+    return _fill(seqs, tokens, d_seqs, d_tokens, f"sized for {gib:.0f} GiB of device memory")
+
+
+def _fill(seqs: int | None, tokens: int | None, d_seqs: int, d_tokens: int, why: str) -> StepLimits:
+    if seqs is not None and tokens is not None:
+        return StepLimits(seqs, tokens, "as given")
+    if seqs is not None or tokens is not None:
+        why += "; the other as given"
+    return StepLimits(seqs if seqs is not None else d_seqs,
+                      tokens if tokens is not None else d_tokens, why)
