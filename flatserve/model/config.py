@@ -8,11 +8,34 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # YaRN (GPT-OSS): the ramp's rotation bounds, whether its ends are rounded, and the factor
+    # that scales cos and sin (so q.k by its square); None derives it from `factor`.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """Sparse MLP layers: Qwen3-MoE (softmax over all experts, then top-k, renormalized with
+    norm_topk_prob) or GPT-OSS (top-k of biased logits, softmax over those k; clamped SwiGLU
+    with alpha and limit, biases on the experts)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    sparse_layers: tuple[bool, ...]  # one per layer; False = the dense MLP
+    norm_topk_prob: bool = False
+    router: str = "softmax_topk"  # softmax_topk (Qwen3-MoE) | topk_softmax (GPT-OSS)
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU; None: act(gate) * up
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +59,8 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention_sinks: bool = False  # GPT-OSS: one learned logit per head in every softmax
+    moe: MoeConfig | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -71,7 +96,28 @@ class ModelConfig:
             attn_logit_softcap=getattr(text, "attn_logit_softcapping", None),
             final_logit_softcap=getattr(text, "final_logit_softcapping", None),
             eos_token_ids=eos_ids,
+            attention_sinks=arch == "GptOssForCausalLM",
+            moe=_moe_for(text, n_layers),
         )
+
+
+def _moe_for(text: Any, n_layers: int) -> MoeConfig | None:
+    """Qwen3-MoE's `num_experts` or GPT-OSS's `num_local_experts`; None for dense models."""
+    if getattr(text, "model_type", "") == "gpt_oss":
+        return MoeConfig(
+            num_experts=text.num_local_experts, top_k=text.num_experts_per_tok,
+            intermediate_size=text.intermediate_size, sparse_layers=(True,) * n_layers,
+            router="topk_softmax", router_bias=True, expert_bias=True,
+            swiglu_limit=float(text.swiglu_limit), swiglu_alpha=float(text.swiglu_alpha))
+    n = getattr(text, "num_experts", 0) or 0
+    if not n or not hasattr(text, "moe_intermediate_size"):
+        return None
+    dense = set(getattr(text, "mlp_only_layers", None) or ())
+    step = getattr(text, "decoder_sparse_step", 1) or 1
+    return MoeConfig(
+        num_experts=n, top_k=text.num_experts_per_tok, intermediate_size=text.moe_intermediate_size,
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers)),
+        norm_topk_prob=bool(getattr(text, "norm_topk_prob", False)))
 
 
 def _rope_for(text: Any, layer_type: str) -> RopeConfig:
@@ -85,12 +131,17 @@ def _rope_for(text: Any, layer_type: str) -> RopeConfig:
         if layer_type == "sliding_attention" and hasattr(text, "rope_local_base_freq"):
             params = {"rope_theta": text.rope_local_base_freq}
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)")
+    af = params.get("attention_factor")
     return RopeConfig(
         theta=float(params.get("rope_theta", 10000.0)), rope_type=rope_type,
         factor=float(params.get("factor", 1.0) or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if af is None else float(af),
     )

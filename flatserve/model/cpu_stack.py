@@ -103,8 +103,8 @@ def _fits(layer: nn.Module, norms: tuple[str | None, ...], ref: nn.Module) -> bo
     a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if a is None or mlp is None or a.kv_cache is None or a.fused is None or a.d % 16:
         return False
-    if getattr(a, "sinks", None) is not None:
-        return False
+    if getattr(a, "sinks", None) is not None or not hasattr(mlp, "gate_up_proj"):
+        return False  # sinks and MoE blocks: not kernels the stack calls
     if getattr(layer, "stack_norms", None) != norms:
         return False
     rms = [getattr(layer, n) for n in norms if n] + ([a.q_norm, a.k_norm] if a.qk_norm else [])

@@ -70,7 +70,33 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         return torch.where(medium, smoothed, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, dim, inv)
     return inv
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int, inv: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (/ factor), those above beta_fast kept, a linear ramp between (HF's maths)."""
+    def corr(rot: float) -> float:  # the dimension that turns `rot` times over the context
+        return dim * math.log(rope.original_max_position / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+    lo, hi = corr(rope.beta_fast), corr(rope.beta_slow)
+    if rope.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)
+    extra = 1 - ramp  # [D/2] share of the unscaled frequency
+    pos = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # HF's rounding
+    return 1.0 / (rope.factor * pos) * (1 - extra) + inv * extra
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The factor on cos and sin (YaRN's 0.1 ln(factor) + 1 unless given); 1 for other ropes."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
 
 
 class RopeTable:
@@ -114,6 +140,8 @@ class Rotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.store.t = None  # the old table goes before the new one is built
         self.store.t = torch.stack([emb.cos(), emb.sin()])  # [2, P, D]
+        if (af := rope_attention_factor(self.rope)) != 1.0:  # YaRN scales both, as HF does
+            self.store.t *= af
         return self.store.t.numel() * 4
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -224,6 +252,8 @@ class Attention(nn.Module):
         self.rotary = Rotary(cfg.ropes[layer], self.d)
         self.params = LayerAttnParams(cfg.query_scale, cfg.sliding_windows[layer],
                                       cfg.attn_logit_softcap)
+        # GPT-OSS: one logit per query head that joins every softmax with no value (HF's name).
+        self.sinks = nn.Parameter(torch.zeros(self.hq)) if cfg.attention_sinks else None
         # Bound by the runner once the KV pool exists.
         self.backend: AttentionBackend | None = None
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -245,5 +275,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k, meta.max_seq_len)
         assert self.backend is not None and self.kv_cache is not None, "runner binds the KV pool"
-        o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params)  # [T, Hq, D]
+        if self.sinks is None:
+            o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params)  # [T, Hq, D]
+        else:
+            o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params, self.sinks)
         return self.o_proj(o.reshape(T, self.hq * self.d))

@@ -1,11 +1,15 @@
-"""Llama family (Llama 2/3, with Llama 3 rope scaling); Qwen3 is the same wiring plus q/k norm."""
+"""Llama family (Llama 2/3, with Llama 3 rope scaling); Qwen3 is the same wiring plus q/k norm.
+Qwen3-MoE and GPT-OSS are this wiring too, with flags from their configs: MoE blocks
+(`ModelConfig.moe`), and for GPT-OSS q/k/v/o biases, attention sinks, YaRN rope and
+alternating sliding-window layers."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from flatserve.model.config import ModelConfig
-from flatserve.model.layers import Attention, DecoderLayers, GatedMLP, RMSNorm
+from flatserve.model.layers import Attention, DecoderLayers, RMSNorm
+from flatserve.model.moe import mlp_for
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -15,7 +19,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, qk_norm)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = mlp_for(cfg, layer)  # GatedMLP, or the MoE block (Qwen3-MoE, GPT-OSS)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -114,11 +114,19 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     """Copy HF-named tensors into the model, fusing q|k|v and gate|up; assert every shape."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    # Modules that map checkpoint layouts themselves (the MoE block's expert stacks).
+    hooks = {n: m for n, m in modules.items() if hasattr(m, "load_hf_tensor")}
     loaded: set[str] = set()
     for name, tensor in weights:
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
         parts = name.split(".")
+        owner = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
+                      if ".".join(parts[:i]) in hooks), None) if hooks else None
+        if owner is not None:
+            got = hooks[owner].load_hf_tensor(name[len(owner) + 1:], tensor)
+            loaded.update(f"{owner}.{g}" for g in got)
+            continue
         if len(parts) >= 2 and parts[-2] in _PACKED:
             shard, parts[-2] = parts[-2], _PACKED[parts[-2]]
             target = ".".join(parts)

@@ -9,6 +9,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("flatserve.model.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("flatserve.model.qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("flatserve.model.gemma3", "Gemma3ForCausalLM"),
+    # Llama wiring plus config flags (ModelConfig.moe, attention_sinks): registry entries only.
+    "Qwen3MoeForCausalLM": ("flatserve.model.qwen3", "Qwen3ForCausalLM"),
+    "GptOssForCausalLM": ("flatserve.model.llama", "LlamaForCausalLM"),
 }
 
 
