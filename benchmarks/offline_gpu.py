@@ -2,6 +2,7 @@
 batching (`generate_batch`, paged|sdpa) as the peer, each in its own subprocess of one run.
 
     PYTHONPATH=. python3 benchmarks/offline_gpu.py --shape qwen3-0.6b --prompts 500 --input 512 --output 128
+    PYTHONPATH=. python3 benchmarks/offline_gpu.py --shape qwen3-30b-a3b   # MoE (also gpt-oss-20b)
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, ".")
 
-from flatserve.bench.gpu import copy_bandwidth, prompts  # noqa: E402
+from flatserve.bench.gpu import copy_bandwidth, moe_active_bytes, prompts  # noqa: E402
 
 
 def run_flatserve(a: argparse.Namespace) -> dict:
@@ -71,6 +72,8 @@ def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
             # timed steps run at contexts input + 4 .. input + 34: their mean is input + 19.
             kv = bs * (a.input + 19) * st.model.kv_bytes_per_token * 2  # bf16
             res[f"floor_ms_b{bs}"] = (st.weights_bytes + kv) / bw * 1e3
+            if st.model.moe is not None:  # only the experts a step selects are read
+                res[f"floor_active_ms_b{bs}"] = (moe_active_bytes(st, bs) + kv) / bw * 1e3
             for emit, tag in ((False, ""), (True, "stream_")):
                 med, mean = _step_gaps(llm.engine, bs, vocab, a.input, emit)
                 res[f"decode_step_{tag}ms_b{bs}"] = med
@@ -110,7 +113,7 @@ def run_hf(a: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.bfloat16,
-                                                 attn_implementation="paged|sdpa").cuda().eval()
+                                                 attn_implementation=a.hf_attn).cuda().eval()
     ps = prompts(a.prompts, a.input, model.config.vocab_size)
     cfg = GenerationConfig(max_new_tokens=a.output, min_new_tokens=a.output, do_sample=False,
                            eos_token_id=-1, pad_token_id=0)
@@ -138,6 +141,8 @@ def main() -> None:
     ap.add_argument("--fused-ops", default="auto", help="auto | none | comma list (flatserve/ops)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--engines", default="flatserve,transformers")
+    ap.add_argument("--hf-attn", default=None, help="transformers' attn_implementation (default "
+                    "paged|sdpa; paged|eager for gpt-oss, whose sinks SDPA does not take)")
     ap.add_argument("--child", default=None)
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--out", default="bench_out/offline_gpu.json")
@@ -146,6 +151,8 @@ def main() -> None:
         fn = run_flatserve if a.child == "flatserve" else run_hf
         print("RESULT " + json.dumps(fn(a)), flush=True)
         return
+    if a.hf_attn is None:
+        a.hf_attn = "paged|eager" if a.shape.startswith("gpt-oss") else "paged|sdpa"
     if a.ckpt is None:
         from flatserve.bench.random_ckpt import build
 
@@ -156,7 +163,8 @@ def main() -> None:
             f"--{k}={v}" for k, v in (("prompts", a.prompts), ("input", a.input), ("output", a.output),
                                       ("max-num-seqs", a.max_num_seqs),
                                       ("max-num-batched-tokens", a.max_num_batched_tokens),
-                                      ("fused-ops", a.fused_ops)) if v is not None] + (["--enforce-eager"] * a.enforce_eager) + (
+                                      ("fused-ops", a.fused_ops), ("hf-attn", a.hf_attn))
+            if v is not None] + (["--enforce-eager"] * a.enforce_eager) + (
             [] if a.async_scheduling is None else
             ["--async-scheduling" if a.async_scheduling else "--no-async-scheduling"])
         try:

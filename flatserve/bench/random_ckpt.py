@@ -22,6 +22,20 @@ SHAPES: dict[str, dict[str, Any]] = {
                        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
                        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # Published configs (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b); bf16 experts (61 GB and 42 GB
+    # on disk: more than a 64 GiB device disk holds for the first, see docs/benchmarks/gpu.md).
+    "qwen3-30b-a3b": dict(arch="Qwen3MoeForCausalLM", model_type="qwen3_moe", vocab_size=151936,
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, max_position_embeddings=40960,
+                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "gpt-oss-20b": dict(arch="GptOssForCausalLM", model_type="gpt_oss", vocab_size=201088,
+                        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False),
 }
 
 
@@ -45,7 +59,7 @@ def build(shape: str, out: Path, device: str = "cuda", std: float = 0.02, seed: 
 
     spec = dict(SHAPES[shape])
     arch = spec.pop("arch")
-    model_type = "qwen3" if arch.startswith("Qwen3") else "llama"
+    model_type = spec.pop("model_type", "qwen3" if arch.startswith("Qwen3") else "llama")
     cfg = AutoConfig.for_model(model_type, architectures=[arch], bos_token_id=1, eos_token_id=2,
                                pad_token_id=0, initializer_range=std, **spec)
     torch.manual_seed(seed)

@@ -19,6 +19,14 @@ _COMMON = {
 _BLOCK_NAMES = {
     "llama": {"ffn_norm": "post_attention_layernorm"},
     "qwen3": {"ffn_norm": "post_attention_layernorm"},
+    # MoE: the router, and the experts' [E, rows, cols] stacks under names the MoE block maps
+    # (model/moe.py, `load_hf_tensor`); GPT-OSS's gate and up arrive already de-interleaved.
+    "qwen3moe": {"ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+                 "ffn_gate_exps": "mlp.experts.gate_exps", "ffn_up_exps": "mlp.experts.up_exps",
+                 "ffn_down_exps": "mlp.experts.down_exps"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_exps",
+                "ffn_up_exps": "mlp.experts.up_exps", "ffn_down_exps": "mlp.experts.down_exps"},
     "gemma3": {"post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
@@ -60,9 +68,84 @@ def iter_gguf_weights(path: Path, n_head: int, n_kv_head: int) -> Iterator[tuple
         hf = _hf_name(arch, t.name)
         if hf is None:
             continue  # e.g. rope_freqs: recomputed from the config
+        if ".experts." in hf or hf.endswith("sinks.weight"):  # stacks and sinks: no ".weight"
+            hf = hf.replace(".weight", "").replace(".bias", "_bias")
         w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, n_head if "q_proj" in hf else n_kv_head)
         if arch == "gemma3" and hf.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms pre-shifted
         yield hf, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+
+def moe_hf_config(path: Path) -> object | None:
+    """The HF config of a `qwen3moe` or `gpt-oss` GGUF, read from its metadata here (None for
+    other architectures): transformers' GGUF reader leaves the expert width and Qwen3-MoE's
+    renormalized top-k (llama.cpp's qwen3moe graph always renormalizes) at its defaults, and
+    fails on GPT-OSS's rope-scaling keys (5.24: `float()` of a field's name part)."""
+    import gguf
+
+    if _first_key_architecture(path) not in (None, "qwen3moe", "gpt-oss"):
+        return None  # the others skip the full metadata read (~12 s for a 262k-token vocab)
+    reader = gguf.GGUFReader(str(path))
+    arch = _architecture(reader)
+    if arch not in ("qwen3moe", "gpt-oss"):
+        return None
+
+    def get(key: str, default: object = None) -> object:
+        f = reader.fields.get(f"{arch}.{key}")
+        return default if f is None else f.contents()
+    tok = reader.fields.get("tokenizer.ggml.tokens")
+    common = dict(
+        vocab_size=get("vocab_size") or (len(tok.data) if tok is not None else None),
+        hidden_size=get("embedding_length"), num_hidden_layers=get("block_count"),
+        num_attention_heads=get("attention.head_count"),
+        num_key_value_heads=get("attention.head_count_kv"), head_dim=get("attention.key_length"),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=get("context_length"), num_experts_per_tok=get("expert_used_count"),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"))
+    if arch == "qwen3moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, intermediate_size=get("feed_forward_length"),
+                              moe_intermediate_size=get("expert_feed_forward_length"),
+                              num_experts=get("expert_count"), norm_topk_prob=True,
+                              rope_parameters={"rope_type": "default",
+                                               "rope_theta": get("rope.freq_base", 1e6)},
+                              architectures=["Qwen3MoeForCausalLM"])
+    from transformers import GptOssConfig
+
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": get("rope.freq_base", 150000.0)}
+    if get("rope.scaling.type") == "yarn":
+        rope.update(rope_type="yarn", factor=get("rope.scaling.factor"), beta_fast=32.0,
+                    beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=get("rope.scaling.original_context_length"))
+    return GptOssConfig(**common, intermediate_size=get("expert_feed_forward_length"),
+                        num_local_experts=get("expert_count"),
+                        sliding_window=get("attention.sliding_window"), rope_parameters=rope,
+                        architectures=["GptOssForCausalLM"])
+
+
+def _first_key_architecture(path: Path) -> str | None:
+    """general.architecture where it is the header's first key (llama.cpp writes it first), else None."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(24 + 8 + 64)
+    if len(head) < 32 or head[:4] != b"GGUF":
+        return None
+    (klen,) = struct.unpack_from("<Q", head, 24)
+    if head[32:32 + klen] != b"general.architecture" or len(head) < 32 + klen + 12:
+        return None
+    (vlen,) = struct.unpack_from("<Q", head, 32 + klen + 4)
+    with open(path, "rb") as f:
+        f.seek(32 + klen + 12)
+        return f.read(vlen).decode(errors="replace")
+
+
+def _field(reader: object, key: str) -> object:
+    f = reader.fields.get(key)  # type: ignore[attr-defined]
+    return None if f is None else f.contents()

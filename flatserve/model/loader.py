@@ -37,7 +37,8 @@ def _cache_root() -> Path:
 
 # model_type -> HF architecture, for GGUF files (their metadata names no architecture class).
 _GGUF_ARCH = {"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-              "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+              "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def gguf_sidecar(path: Path) -> Path:
@@ -51,11 +52,16 @@ def gguf_sidecar(path: Path) -> Path:
     out = _cache_root() / "gguf-meta" / f"{path.stem}-{key}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+
+    from flatserve.model.gguf_weights import moe_hf_config
 
     try:
-        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        cfg = moe_hf_config(path)
+        # AutoTokenizer reads the config through the transformers path moe_hf_config avoids.
+        tok_cls = AutoTokenizer if cfg is None else PreTrainedTokenizerFast
+        cfg = cfg or AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = tok_cls.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # a corrupt or truncated file fails in many ways inside gguf
         raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from None
     cfg.architectures = [_GGUF_ARCH.get(cfg.model_type, cfg.model_type)]

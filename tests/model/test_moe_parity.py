@@ -27,12 +27,8 @@ def _moe_blocks(llm) -> list[MoeMLP]:
     return [m for m in llm.engine.runner.model.modules() if isinstance(m, MoeMLP)]
 
 
-def test_logits_match_transformers_on_ragged_batch(moe_checkpoint) -> None:
-    family, path, hf = moe_checkpoint
-    llm = _llm(path, max_num_batched_tokens=4096, device="cpu", attention_backend="torch")
-    blocks = _moe_blocks(llm)
-    assert len(blocks) == (3 if family == "qwen3_moe" else 4)  # Qwen3: layer 1 is dense
-    prompts = _prompts(seed=random.randrange(1 << 30))
+def ragged_logits(llm, hf, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ours, transformers') logits at every position of the prompts, ours in one flat step."""
     eng = llm.engine
     out, nxt = SchedulerOutput(), 1
     for i, p in enumerate(prompts):
@@ -44,10 +40,19 @@ def test_logits_match_transformers_on_ragged_batch(moe_checkpoint) -> None:
     batch.logits_index = torch.arange(sum(map(len, prompts)))
     with torch.no_grad():
         ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+    return eng.runner.forward_logits(batch), ref  # [T, V] each
+
+
+def test_logits_match_transformers_on_ragged_batch(moe_checkpoint) -> None:
+    family, path, hf = moe_checkpoint
+    llm = _llm(path, max_num_batched_tokens=4096, device="cpu", attention_backend="torch")
+    blocks = _moe_blocks(llm)
+    assert len(blocks) == (3 if family == "qwen3_moe" else 4)  # Qwen3: layer 1 is dense
+    prompts = _prompts(seed=random.randrange(1 << 30))
     for path_name in ("grouped", "ref"):
         for b in blocks:
             b.path = path_name
-        ours = eng.runner.forward_logits(batch)  # [T, V]
+        ours, ref = ragged_logits(llm, hf, prompts)
         err = (ours - ref).abs().max().item()
         assert err < LOGIT_ATOL, f"{family}/{path_name}: max abs logit error {err:.2e}"
 
