@@ -1,6 +1,9 @@
 """Where one decode step's time goes on the GPU: each phase of `Engine.step` timed on its own.
 
     PYTHONPATH=. python3 benchmarks/step_breakdown.py --shape qwen3-0.6b --batch 64,256 --ctx 512
+    # MoE split (attention `_attn_kernel`, MoE `_route_kernel`/`_moe_gemm_kernel`, dense cuBLAS):
+    PYTHONPATH=. python3 benchmarks/step_breakdown.py --shape qwen3-30b-a3b --batch 64 --profile \
+        --no-async-scheduling
 
 Phases (CUDA-synchronised between them, so the sum is an upper bound of one step's wall time):
 schedule (scheduler), build (numpy packing + H2D copies), forward (graph replay or eager
@@ -149,6 +152,10 @@ def main() -> None:
         r = measure(llm, b, a.ctx, a.steps, a.profile)
         kv = b * (a.ctx + a.steps) * kv_per_tok
         r.update(batch=b, floor_ms=(weights + kv) / bw * 1e3)  # bw counts read + write, as gpu.md
+        if m.moe is not None:  # MoE: the experts a step selects, not all (offline_gpu.py)
+            from benchmarks.offline_gpu import moe_active_bytes
+
+            r["floor_active_ms"] = (moe_active_bytes(llm.engine.state, b) + kv) / bw * 1e3
         rows.append(r)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
     res = {"shape": a.shape, "gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9,
