@@ -152,8 +152,8 @@ def main() -> None:
         r = measure(llm, b, a.ctx, a.steps, a.profile)
         kv = b * (a.ctx + a.steps) * kv_per_tok
         r.update(batch=b, floor_ms=(weights + kv) / bw * 1e3)  # bw counts read + write, as gpu.md
-        if m.moe is not None:  # MoE: the experts a step selects, not all (offline_gpu.py)
-            from benchmarks.offline_gpu import moe_active_bytes
+        if m.moe is not None:  # MoE: the experts a step selects, not all
+            from flatserve.bench.gpu import moe_active_bytes
 
             r["floor_active_ms"] = (moe_active_bytes(llm.engine.state, b) + kv) / bw * 1e3
         rows.append(r)
