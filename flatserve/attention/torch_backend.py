@@ -51,7 +51,19 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, 
                                       v[ks - k_start:q_start + b - k_start], q_start + a, ks, p)
             return out
         return _attend_sdpa(q, k, v, q_start, k_start, p)
+    if n > MATH_ROWS:  # the maths path holds [Hkv, n*g, L] fp32 scores: bound them by rows
+        out = torch.empty_like(q)  # (a GPT-OSS 8k-token prefill chunk: 17 GB in one piece)
+        for a in range(0, n, MATH_ROWS):
+            b = min(n, a + MATH_ROWS)
+            ks = k_start if w is None else max(k_start, q_start + a - w + 1)
+            end = q_start + b - k_start  # keys up to the block's last row
+            out[a:b] = _attend_math(q[a:b], k[ks - k_start:end], v[ks - k_start:end],
+                                    q_start + a, ks, p, sinks)
+        return out
     return _attend_math(q, k, v, q_start, k_start, p, sinks)
+
+
+MATH_ROWS = 256  # query rows per maths-path block (softcap, sinks)
 
 
 def _visible(n: int, L: int, q_start: int, k_start: int, window: int | None,
