@@ -56,6 +56,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-model", default=None, help="draft model (same tokenizer)")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
+    d = p.add_argument_group("more than one device (torchrun-style names for multi-host)")
+    d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the model is split over (NCCL on CUDA, gloo on the CPU)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind one server (serve only)")
+    d.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span")
+    d.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 serves")
+    d.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (rendezvous)")
+    d.add_argument("--master-port", type=int, default=0, help="node 0's rendezvous port (0: free)")
+    d.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds every rank has to join the rendezvous")
 
 
 def engine_config(a: argparse.Namespace, positional_model: str | None = None) -> EngineConfig:
@@ -73,7 +84,10 @@ def engine_config(a: argparse.Namespace, positional_model: str | None = None) ->
         speculative_method=a.speculative_method,
         num_speculative_tokens=a.num_speculative_tokens, speculative_model=a.speculative_model,
         prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max,
-        served_model_name=getattr(a, "served_model_name", None))
+        served_model_name=getattr(a, "served_model_name", None),
+        tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
+        nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,
+        master_port=a.master_port, dist_timeout_s=a.dist_timeout)
 
 
 def _sampling(a: argparse.Namespace) -> Any:
@@ -96,9 +110,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    cfg = engine_config(a, a.model)
+    if cfg.node_rank > 0:  # another host of a multi-node group: only its ranks, no server
+        from flatserve.distributed.executor import run_node
+
+        return run_node(cfg)
     from flatserve.server.app import run_server
 
-    return run_server(engine_config(a, a.model), a)
+    return run_server(cfg, a)
 
 
 def _bench_tokenizer(path: str | None) -> Any:

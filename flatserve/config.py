@@ -53,6 +53,15 @@ class EngineConfig:
     speculative_model: str | None = None
     prompt_lookup_min: int = 2  # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
+    # More than one device (flatserve/distributed): Megatron tensor parallelism over ranks the
+    # engine spawns; data-parallel replicas behind one server; torchrun-style multi-host.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one host)
+    dist_timeout_s: float = 300.0  # every rank must join the rendezvous within this
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -89,8 +98,33 @@ class EngineConfig:
             raise ValueError(f"quantization must be int8 (weight-only) or unset, got {self.quantization!r}")
         if self.cpu_gemm not in ("auto", "amx", "onednn", "torch"):
             raise ValueError(f"cpu_gemm must be auto, amx, onednn or torch, got {self.cpu_gemm!r}")
+        self._validate_parallel()
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+    def _validate_parallel(self) -> None:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size} and {self.data_parallel_size}")
+        if self.tensor_parallel_size == 1 and self.nnodes == 1:
+            return
+        what = f"tensor parallelism (tensor_parallel_size {self.tensor_parallel_size})"
+        if self.speculative_method:
+            raise ValueError(f"speculative decoding is not supported with {what} yet")
+        if self.quantization:
+            raise ValueError(f"quantization {self.quantization!r} is not supported with {what} yet")
+        if self.async_scheduling:
+            raise ValueError(f"async_scheduling is not supported with {what} yet")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs on one node; multi-node runs one replica")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+
+    @property
+    def distributed(self) -> bool:
+        """Tensor-parallel ranks (flatserve/distributed) rather than the single-device engine."""
+        return self.tensor_parallel_size > 1 or self.nnodes > 1
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

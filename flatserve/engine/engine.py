@@ -50,7 +50,17 @@ class _Parent:
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.state: EngineState
-        self.state, self.tokenizer, self.runner, draft_runner = start_up(cfg)
+        if cfg.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is served by `flatserve serve` (one replica "
+                             "per engine behind one server); an Engine is one replica")
+        self.executor = None  # tensor parallelism: the other ranks (flatserve/distributed)
+        if cfg.distributed:
+            from flatserve.distributed.executor import TPExecutor
+
+            self.executor = ex = TPExecutor(cfg)
+            self.state, self.tokenizer, self.runner, draft_runner = ex.state, ex.tokenizer, ex.runner, None
+        else:
+            self.state, self.tokenizer, self.runner, draft_runner = start_up(cfg)
         s = self.state
         assert s.config is not None
         self.cfg = cfg = s.config  # the step limits as sized at start-up
@@ -128,6 +138,11 @@ class Engine:
             self.scheduler.abort(c.req.request_id)
             self.children.pop(c.req.request_id, None)
         return True
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def has_unfinished(self) -> bool:
         return bool(self.parents) or self._inflight is not None
@@ -262,6 +277,8 @@ def resolve_async(cfg: EngineConfig, device_type: str) -> bool:
     if cfg.speculative_method is not None:
         if cfg.async_scheduling:
             raise ValueError("async_scheduling cannot be combined with speculative decoding")
+        return False
+    if cfg.distributed:  # the workers read no pending tokens: every step's ids are host-known
         return False
     return device_type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
 

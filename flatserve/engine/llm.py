@@ -26,6 +26,16 @@ class LLM:
         self._template, self._eot = chat_template(
             self.engine.tokenizer, self.engine.state.model.architecture, self.config.chat_template)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks now (they also stop when this process exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         return cls(config=config)

@@ -5,10 +5,11 @@ What it finds goes into `EngineState`, never back into the frozen EngineConfig.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,9 @@ from flatserve.model.layers import share_rope_tables
 from flatserve.model.loader import ModelSource, build_model, load_hf_config, resolve_model
 from flatserve.model.registry import get_model_class
 from flatserve.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from flatserve.distributed.group import TPGroup
 
 log = logging.getLogger("flatserve")
 
@@ -150,9 +154,16 @@ def warm_heap(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
     del runner
 
 
-def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRunner | None]:
-    """-> state, tokenizer, target runner, draft runner (speculative_method 'draft' only)."""
-    device = dev.select_device(cfg.device)
+def start_up(cfg: EngineConfig, tp: TPGroup | None = None
+             ) -> tuple[EngineState, Any, ModelRunner, ModelRunner | None]:
+    """-> state, tokenizer, target runner, draft runner (speculative_method 'draft' only).
+
+    With `tp` (tensor parallelism) every rank runs this in lockstep: its shard of the weights,
+    its own profile and budget (the block count then agreed as the ranks' minimum), its own
+    KV pool for its KV heads."""
+    device = tp.device if tp is not None else dev.select_device(cfg.device)
+    if device.type == "cuda" and device.index is not None:  # a data-parallel replica's GPU
+        torch.cuda.set_device(device)
     backend = cfg.attention_backend or dev.default_backend(device)
     dev.check_backend(backend, device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
@@ -160,7 +171,8 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     if cfg.quantization and device.type != "cpu":
         raise ValueError(f"quantization {cfg.quantization!r} is a CPU path (int8 GEMV kernel); "
                          f"the device here is {device.type}")
-    gemm = _cpu_gemm(cfg, device, dtype)
+    # The packed CPU linears (AMX, oneDNN) and the C++ decoder stack have no all-reduce inside.
+    gemm = "torch" if tp is not None else _cpu_gemm(cfg, device, dtype)
     src, hf, mcfg = _model_config(cfg.model)
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
@@ -171,7 +183,14 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     log.info(limits.line())
     cfg = dataclasses.replace(cfg, max_num_seqs=limits.max_num_seqs,
                               max_num_batched_tokens=limits.max_num_batched_tokens)
-    model, weights = _load_weights(src, hf, mcfg, dtype, device)
+    shard, full = None, mcfg
+    if tp is not None:
+        from flatserve.distributed import parallel
+
+        probe = parallel.host_share(probe, tp)
+        mcfg = parallel.local_config(mcfg, tp.size)  # this rank's heads: its KV pool, its budget
+        shard = functools.partial(parallel.shard_model, g=tp)
+    model, weights = _load_weights(src, hf, full, dtype, device, shard)
     if cfg.quantization:
         weights = _quantize(model, device)
     if gemm != "torch":
@@ -199,15 +218,21 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     elt = torch.empty((), dtype=dtype).element_size()
     # One block id addresses a target block and (with a draft model) a draft block: budget both.
     per_token = mcfg.kv_bytes_per_token + (draft[1].kv_bytes_per_token if draft else 0)
-    budget = plan(probe, BudgetRequest(
+    breq = BudgetRequest(
         weights=weights + (draft[2] if draft else 0) + rope, peak_activations=peak,
         bytes_per_block=per_token * cfg.block_size * elt,
         block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
         max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
         gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
         num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime,
-        max_num_seqs=cfg.max_num_seqs))
-    log.info(budget.startup_line())
+        max_num_seqs=cfg.max_num_seqs)
+    if tp is None:
+        budget = plan(probe, breq)
+        log.info(budget.startup_line())
+    else:
+        from flatserve.distributed.parallel import agree_budget
+
+        budget = agree_budget(probe, breq, tp)
     if budget.max_model_len < longest:  # the budget capped the context: smaller tables
         for m in models:
             for r in share_rope_tables(m):
@@ -215,11 +240,11 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs
     runner = ModelRunner(model, mcfg, budget.num_blocks, cfg.block_size, dtype, device, backend,
                          graph_max_seqs=graphs, max_model_len=budget.max_model_len, on_demand=True,
-                         greedy_head=greedy, cpu_stack=not cfg.enforce_eager)
+                         greedy_head=greedy, cpu_stack=not cfg.enforce_eager and tp is None)
     draft_runner = None if draft is None else ModelRunner(
         draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend,
         on_demand=True, cpu_stack=not cfg.enforce_eager)
-    state = EngineState(mcfg, src, device, dtype, backend, budget,
+    state = EngineState(full, src, device, dtype, backend, budget,
                         _eos_ids(mcfg, tokenizer, src), weights, fused, gemm, cfg)
     return state, tokenizer, runner, draft_runner
 
@@ -232,9 +257,9 @@ def _model_config(model: str | None) -> tuple[ModelSource, Any, ModelConfig]:
 
 
 def _load_weights(src: ModelSource, hf: Any, mcfg: ModelConfig, dtype: torch.dtype,
-                  device: torch.device) -> tuple[torch.nn.Module, int]:
+                  device: torch.device, shard: Any = None) -> tuple[torch.nn.Module, int]:
     before = dev.process_rss() if device.type != "cuda" else 0
-    model = build_model(src, hf, mcfg, dtype, device)
+    model = build_model(src, hf, mcfg, dtype, device, shard)
     dev.release_freed_memory(device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if device.type != "cuda":  # what loading really left resident (allocator slack included)

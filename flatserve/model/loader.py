@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +144,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                 continue  # tied head, or a buffer recomputed from the config
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         param = params[name]
+        owner = modules[name.rpartition(".")[0]]
+        if hasattr(owner, "weight_loader"):  # a sharded layer narrows to its rank's part
+            owner.weight_loader(param, tensor)
+            loaded.add(name)
+            continue
         assert param.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} != {tuple(param.shape)}"
         if tensor.dtype == param.dtype and tensor.device == param.device and tensor.is_contiguous():
             param.data = tensor  # adopt, not copy: no transient second copy (0.7 GB for Gemma's embedding)
@@ -185,10 +190,13 @@ def _iter_safetensors_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch.dtype,
-                device: torch.device) -> nn.Module:
+                device: torch.device, shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """`shard` (tensor parallelism) swaps in this rank's layers while they are still on meta."""
     cls = get_model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg)
+        if shard is not None:
+            shard(model)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty may have split the shared parameter
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -5,6 +5,7 @@ import argparse
 import hmac
 import json
 import logging
+import sys
 import time
 from typing import Any
 
@@ -54,7 +55,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 class ServerState:
     def __init__(self, cfg: EngineConfig, api_key: str | None) -> None:
         self.metrics = Metrics()
-        self.async_engine = AsyncEngine(lambda: Engine(cfg), self.metrics)  # built on its thread
+        if cfg.data_parallel_size > 1:
+            from flatserve.server.data_parallel import DataParallelEngine
+
+            self.async_engine = DataParallelEngine(cfg, self.metrics)  # type: ignore[assignment]
+        else:
+            self.async_engine = AsyncEngine(lambda: Engine(cfg), self.metrics)  # built on its thread
         self.engine = engine = self.async_engine.engine
         self.model_name = cfg.served_model_name or _default_name(cfg)
         self.api_key = api_key
@@ -176,7 +182,8 @@ def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
           f"{' (weights ' + cfg.quantization + ')' if cfg.quantization else ''}, device {s.device}, "
           f"backend {s.backend}{', fused ' + ','.join(sorted(s.fused_ops)) if s.fused_ops else ''}"
           f"{_GEMM_NAMES.get(s.cpu_gemm, '')}"
-          f"{', async scheduling' if state.engine.async_mode else ''}, "
+          f"{', async scheduling' if state.engine.async_mode else ''}"
+          f"{_parallel_note(cfg)}, "
           f"KV {s.budget.num_blocks - 1} blocks = {s.budget.token_capacity} tokens, "
           f"max_model_len {s.max_model_len}, http://{args.host}:{args.port}", flush=True)
 
@@ -190,9 +197,24 @@ def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                    timeout_graceful_shutdown=5))
     signal.signal(signal.SIGTERM, lambda *a: server.handle_exit(signal.SIGTERM, None))
+    engines = getattr(state.async_engine, "engines", lambda: [state.engine])()
+    for e in engines:  # a tensor-parallel rank that dies stops the server
+        if e.executor is not None:
+            e.executor.workers.on_fatal = lambda msg: server.handle_exit(signal.SIGTERM, None)
     server.run()
     state.async_engine.shutdown()
+    failed = [e.executor.workers.failed for e in engines if e.executor and e.executor.workers.failed]
+    if failed:
+        print(f"flatserve: error: {failed[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _parallel_note(cfg: EngineConfig) -> str:
+    parts = [f"tensor parallel {cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else "",
+             f"data parallel {cfg.data_parallel_size}" if cfg.data_parallel_size > 1 else "",
+             f"{cfg.nnodes} nodes" if cfg.nnodes > 1 else ""]
+    return "".join(", " + p for p in parts if p)
 
 
 def dumps(obj: Any) -> str:

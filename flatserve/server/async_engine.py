@@ -43,8 +43,8 @@ class AsyncEngine:
 
     engine: Engine  # set on the engine thread before __init__ returns
 
-    def __init__(self, build: Callable[[], Engine], metrics: Metrics) -> None:
-        self.metrics = metrics
+    def __init__(self, build: Callable[[], Engine], metrics: Metrics, name: str = "") -> None:
+        self.metrics, self.name = metrics, name  # name: request-id prefix (data-parallel replicas)
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -76,7 +76,7 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- handler side
     async def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
-        rid = f"req-{next(self._ids)}"
+        rid = f"req-{self.name}{next(self._ids)}"
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         q: asyncio.Queue = asyncio.Queue()
@@ -95,6 +95,8 @@ class AsyncEngine:
         self._go.set()
         self._cmds.put(("noop",))
         self._thread.join(timeout=10)
+        if hasattr(self, "engine"):
+            self.engine.shutdown()  # tensor-parallel ranks, if any
 
     # ---------------------------------------------------------------- engine thread
     def _loop(self) -> None:

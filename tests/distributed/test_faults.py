@@ -1,0 +1,80 @@
+"""Faults of a tensor-parallel server (`flatserve serve --tensor-parallel-size 2` on the CPU):
+a rank killed mid-serve stops the server with a clear error within seconds and leaves no
+process behind; SIGTERM stops every rank."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from flatserve.bench.serve import wait_healthy
+from tests.distributed.test_tensor_parallel import ENGINE, _cli, _free_port
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
+    return stat != "Z"
+
+
+@pytest.fixture()
+def tp_server(tmp_path):
+    from tests.conftest import build_checkpoint
+
+    path, _ = build_checkpoint("qwen3", tmp_path)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", str(path), "--port", str(port),
+                             "--tensor-parallel-size", "2", *_cli(ENGINE)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        # The worker rank: the spawned child that runs flatserve's worker (not the resource tracker).
+        workers = [c for c in _children(proc.pid)
+                   if b"multiprocessing" in open(f"/proc/{c}/cmdline", "rb").read()
+                   and b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()]
+        assert len(workers) == 1, workers
+        r = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": [5, 6, 7], "max_tokens": 4,
+                                                       "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        yield proc, workers[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_killed_rank_stops_the_server_cleanly(tp_server) -> None:
+    proc, worker = tp_server
+    os.kill(worker, signal.SIGKILL)
+    t0 = time.monotonic()
+    code = proc.wait(timeout=30)
+    took = time.monotonic() - t0
+    text = proc.stdout.read()
+    assert code != 0
+    assert "tensor-parallel rank 1" in text and "exited with code -9" in text, text[-2000:]
+    assert took < 15, f"the server took {took:.1f} s to stop"
+    assert not _alive(worker)
+
+
+def test_sigterm_stops_every_rank(tp_server) -> None:
+    proc, worker = tp_server
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)

@@ -1,0 +1,121 @@
+"""Tensor parallelism on the CPU over gloo: TP=2 gives TP=1's (and transformers') greedy tokens
+over ragged batches, chunked prefill and preemption; KV heads replicate when tp > Hkv; two
+"hosts" on loopback; the rendezvous names missing ranks."""
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from flatserve import LLM, SamplingParams
+from tests.model.test_parity import _assert_greedy_equal, _hf_greedy
+
+# Every engine here: fp32 on the CPU, the torch attention path (no C++ build needed), a pool
+# small enough that the 8 prompts preempt, and a token budget that chunks every long prompt.
+ENGINE = dict(dtype="float32", device="cpu", attention_backend="torch", enforce_eager=True,
+              max_model_len=400, num_gpu_blocks_override=30, max_num_batched_tokens=48,
+              enable_prefix_caching=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompts(seed: int, n: int = 8) -> list[list[int]]:
+    rng = random.Random(seed)
+    lens = [1, 100] + [rng.randint(2, 99) for _ in range(n - 2)]
+    return [[rng.randrange(4, 512) for _ in range(L)] for L in lens]
+
+
+def _greedy(path, prompts, n: int = 24, **kw) -> tuple[list[list[int]], int]:
+    with LLM(model=str(path), **{**ENGINE, **kw}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                            use_tqdm=False)
+        assert llm.engine.num_used_blocks == 0
+        return [o.outputs[0].token_ids for o in outs], llm.engine.scheduler.num_preemptions
+
+
+def test_tp2_greedy_equals_tp1_and_transformers(tiny_checkpoint) -> None:
+    family, path, hf = tiny_checkpoint
+    prompts = _prompts(random.randrange(1 << 30))
+    tp1, _ = _greedy(path, prompts)
+    tp2, preempted = _greedy(path, prompts, tensor_parallel_size=2)
+    assert preempted > 0, "the pool was meant to overflow"
+    for p, a, b in zip(prompts, tp1, tp2):
+        assert len(b) == 24
+        _assert_greedy_equal(hf, p, b, a)  # TP=2 vs TP=1 (a near-tie may flip: fp32 sums reorder)
+        _assert_greedy_equal(hf, p, b, _hf_greedy(hf, p, 24))
+
+
+def test_tp4_replicates_kv_heads(tmp_path) -> None:
+    """2 KV heads over 4 ranks: each KV head lives on 2 ranks."""
+    from tests.conftest import build_checkpoint
+
+    path, hf = build_checkpoint("qwen3", tmp_path)
+    prompts = _prompts(7, n=3)
+    toks, _ = _greedy(path, prompts, n=8, tensor_parallel_size=4)
+    for p, t in zip(prompts, toks):
+        _assert_greedy_equal(hf, p, t, _hf_greedy(hf, p, 8))
+
+
+def test_two_hosts_on_loopback_give_the_same_tokens(tmp_path) -> None:
+    """Node 1 is `flatserve serve --node-rank 1` in its own process (its ranks only, no
+    server); node 0 is this process's engine; they meet at --master-addr/--master-port."""
+    from tests.conftest import build_checkpoint
+
+    path, hf = build_checkpoint("llama", tmp_path)
+    port = _free_port()
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--dist-timeout", "120"]
+    node1 = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", str(path), "--node-rank", "1",
+                              *flags, *_cli(ENGINE)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        prompts = _prompts(3, n=4)
+        two, _ = _greedy(path, prompts, n=12, tensor_parallel_size=2, nnodes=2, master_port=port,
+                         dist_timeout_s=120)
+        assert node1.wait(timeout=60) == 0, node1.stdout.read()  # node 0's shutdown ends node 1
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    for p, t in zip(prompts, two):
+        _assert_greedy_equal(hf, p, t, _hf_greedy(hf, p, 12))
+
+
+def _cli(kw: dict) -> list[str]:
+    out = []
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is False:
+            out.append("--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def test_rendezvous_timeout_names_the_missing_ranks(tmp_path) -> None:
+    from tests.conftest import build_checkpoint
+
+    path, _ = build_checkpoint("qwen3", tmp_path)
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[2, 3\] of 4 never joined .*node\(s\) \[1\]"):
+        LLM(model=str(path), **ENGINE, tensor_parallel_size=4, nnodes=2,
+            master_port=_free_port(), dist_timeout_s=3)
+
+
+def test_config_refuses_what_tp_does_not_support() -> None:
+    from flatserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative decoding is not supported"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_method="ngram")
+    with pytest.raises(ValueError, match="positive multiple of nnodes"):
+        from flatserve.distributed.executor import topology
+
+        topology(EngineConfig.from_kwargs(tensor_parallel_size=3, nnodes=2, master_port=1))
