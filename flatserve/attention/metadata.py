@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,21 +41,26 @@ class AttentionMetadata:
         return self.max_q_len == 1
 
 
-_current: AttentionMetadata | None = None
+class _Scope(threading.local):
+    """Per thread: data-parallel replicas step their engines on their own threads at once."""
+    current: AttentionMetadata | None = None
+
+
+_scope = _Scope()
 
 
 @contextlib.contextmanager
 def forward_context(meta: AttentionMetadata) -> Iterator[None]:
     """Scope the step's metadata; never nested, always reset (even when the forward raises)."""
-    global _current
-    assert _current is None, "forward_context is not re-entrant"
-    _current = meta
+    assert _scope.current is None, "forward_context is not re-entrant"
+    _scope.current = meta
     try:
         yield
     finally:
-        _current = None
+        _scope.current = None
 
 
 def current_metadata() -> AttentionMetadata:
-    assert _current is not None, "attention called outside forward_context"
-    return _current
+    meta = _scope.current
+    assert meta is not None, "attention called outside forward_context"
+    return meta
