@@ -1,0 +1,37 @@
+"""Tensor and data parallelism on CUDA (NCCL), 2 GPUs: fp32 greedy tokens with TP=2 (CUDA
+graphs capturing the all-reduces) equal TP=1's and the eager TP=2 run's. Skipped without 2 GPUs."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from flatserve import LLM, SamplingParams
+from tests.model.test_parity import _assert_greedy_equal
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs 2 CUDA devices")
+
+
+def _run(path, prompts, **kw) -> list[list[int]]:
+    with LLM(model=str(path), dtype="float32", max_model_len=512, kv_cache_memory=2**30, **kw) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+        if kw.get("tensor_parallel_size", 1) > 1:
+            assert (llm.engine.runner.graphs is None) == kw.get("enforce_eager", False)
+            assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+        return [o.outputs[0].token_ids for o in outs]
+
+
+def test_tp2_cuda_graphs_equal_tp1(tiny_checkpoint) -> None:
+    family, path, hf = tiny_checkpoint
+    rng = random.Random()
+    prompts = [[rng.randrange(4, 512) for _ in range(rng.randint(1, 300))] for _ in range(16)]
+    one = _run(path, prompts)
+    two = _run(path, prompts, tensor_parallel_size=2)
+    two_eager = _run(path, prompts, tensor_parallel_size=2, enforce_eager=True)
+    for p, a, b, c in zip(prompts, one, two, two_eager):
+        _assert_greedy_equal(hf, p, b, a)
+        _assert_greedy_equal(hf, p, c, a)
