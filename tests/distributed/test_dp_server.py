@@ -1,0 +1,43 @@
+"""`flatserve serve --data-parallel-size 2`: a subset of the server suite against two replicas
+behind one server, and the router's choice."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from flatserve.bench.serve import wait_healthy
+from tests.server.test_server import (  # noqa: F401 - collected here against the DP=2 server
+    KEY, _free_port, test_32_concurrent_streams_complete_then_no_blocks_used,
+    test_bad_inputs_answered_in_openai_shape_and_server_still_serves,
+    test_chat_stream_and_non_stream, test_completions_stream_equals_non_stream_with_usage)
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port), "--api-key", KEY,
+         "--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "32",
+         "--served-model-name", "gemma-test", "--data-parallel-size", "2", "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    yield {"url": url, "proc": proc}
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+
+
+def test_router_picks_fewest_held_then_lowest_kv_usage() -> None:
+    from flatserve.server.data_parallel import DataParallelEngine
+
+    r = DataParallelEngine.__new__(DataParallelEngine)
+    r.replicas = [None, None, None]  # type: ignore[list-item]
+    r.held = [2, 1, 1]
+    r.stats = [{"kv_blocks_used": 0, "kv_blocks_total": 10}, {"kv_blocks_used": 9, "kv_blocks_total": 10},
+               {"kv_blocks_used": 3, "kv_blocks_total": 10}]
+    assert r.pick() == 2
+    r.held = [0, 1, 1]
+    assert r.pick() == 0
