@@ -79,6 +79,9 @@ def run_layout(a: argparse.Namespace) -> dict:
     from flatserve.config import EngineConfig
     from flatserve.server.data_parallel import replica_config
 
+    from flatserve.attention.metadata import per_thread_scopes
+
+    per_thread_scopes()
     cfg = EngineConfig.from_kwargs(**_engine_kw(a), data_parallel_size=2)
     llms: list = [None, None]
 

@@ -41,12 +41,27 @@ class AttentionMetadata:
         return self.max_q_len == 1
 
 
-class _Scope(threading.local):
-    """Per thread: data-parallel replicas step their engines on their own threads at once."""
+class _Scope:
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: AttentionMetadata | None = None
+
+
+class _ThreadScope(threading.local):
     current: AttentionMetadata | None = None
 
 
-_scope = _Scope()
+# One process-wide scope, unless data-parallel replicas step engines on several threads at once
+# (`per_thread_scopes`): a threading.local read costs more than a slot read, per layer per step.
+_scope: _Scope | _ThreadScope = _Scope()
+
+
+def per_thread_scopes() -> None:
+    """Give every thread its own forward scope; call before any forward runs."""
+    global _scope
+    if not isinstance(_scope, _ThreadScope):
+        _scope = _ThreadScope()
 
 
 @contextlib.contextmanager

@@ -52,6 +52,9 @@ class DataParallelEngine:
     """AsyncEngine's interface over N replicas."""
 
     def __init__(self, cfg: EngineConfig, metrics: Metrics) -> None:
+        from flatserve.attention.metadata import per_thread_scopes
+
+        per_thread_scopes()  # the replicas' engine threads run forwards at the same time
         n = cfg.data_parallel_size
         self.lock = threading.Lock()
         self.stats: list[dict[str, int] | None] = [None] * n

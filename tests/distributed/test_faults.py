@@ -47,7 +47,7 @@ def tp_server(tmp_path):
                    if b"multiprocessing" in open(f"/proc/{c}/cmdline", "rb").read()
                    and b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()]
         assert len(workers) == 1, workers
-        r = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": [5, 6, 7], "max_tokens": 4,
+        r = httpx.post(url + "/v1/completions", json={"model": "qwen3", "prompt": [5, 6, 7], "max_tokens": 4,
                                                        "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         yield proc, workers[0]

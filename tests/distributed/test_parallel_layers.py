@@ -37,6 +37,9 @@ def _logits(model, cfg: ModelConfig, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def _sharded(src, mcfg: ModelConfig, size: int, prompts) -> list[torch.Tensor]:
+    from flatserve.attention.metadata import per_thread_scopes
+
+    per_thread_scopes()  # the ranks' threads run their forwards at the same time
     topo = Topology(size, timeout_s=60)
     master = open_store(0, topo)
     topo = Topology(size, master_port=master.port, timeout_s=60)
