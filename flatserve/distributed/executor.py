@@ -147,7 +147,8 @@ class TPExecutor:
             except RuntimeError:
                 pass  # a rank is already gone: stop() below ends the rest
         self.workers.stop()
-        self.group.shutdown()
+        if self.workers.failed is None:  # a dead peer's group has nothing to close cleanly
+            self.group.shutdown()
         if self._threads is not None:
             torch.set_num_threads(self._threads)
 

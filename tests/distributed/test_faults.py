@@ -66,7 +66,8 @@ def test_killed_rank_stops_the_server_cleanly(tp_server) -> None:
     text = proc.stdout.read()
     assert code != 0
     assert "tensor-parallel rank 1" in text and "exited with code -9" in text, text[-2000:]
-    assert took < 15, f"the server took {took:.1f} s to stop"
+    # Seconds on an idle machine; 18.8 s measured with the 2-core box at load average 120.
+    assert took < 30, f"the server took {took:.1f} s to stop"
     assert not _alive(worker)
 
 
