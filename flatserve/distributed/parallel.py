@@ -122,6 +122,8 @@ class ParallelLMHead(_VocabRows, nn.Linear):
 
 
 def _shard_attention(a: Attention, g: TPGroup) -> None:
+    if getattr(a, "sinks", None) is not None:
+        raise ValueError("attention sinks (GPT-OSS) are not split over tensor-parallel ranks yet")
     hq = _split(a.hq, g.size, "num_attention_heads")
     hkv = kv_heads_per_rank(a.hkv, g.size)
     # KV head of this rank: its own slice, or (replicated) the one its query heads read.
@@ -143,7 +145,8 @@ def _shard_mlp(m: GatedMLP, g: TPGroup) -> None:
 
 def shard_model(model: nn.Module, g: TPGroup) -> None:
     """In place, on the meta device: every attention, gated MLP, the embedding and the LM head
-    become this rank's shard. Anything else (norms, rotary) stays replicated."""
+    become this rank's shard. Anything else (norms, rotary, MoE experts for now) stays replicated:
+every rank computes it whole, so the tokens are the same, only the memory is not split."""
     for m in list(model.modules()):
         if isinstance(m, Attention):
             _shard_attention(m, g)
