@@ -29,10 +29,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("flatserve")
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """logits [R, V] (any float dtype, any device), bitmask [R, W] int32 with W = ceil(V / 32):
-    bit b of word w set means token 32 w + b is allowed. Disallowed logits become -inf, in place."""
+    bit b of word w set means token 32 w + b is allowed. Disallowed logits become -inf, in place.
+
+    fp32 on the CPU goes through xgrammar's C++ loop, which reads the bits in place; elsewhere
+    (CUDA, other dtypes; impl="torch") the bits are unpacked into a [R, V] mask in one torch op."""
     R, V = logits.shape
+    if impl == "auto" and logits.device.type == "cpu" and logits.dtype == torch.float32 \
+            and logits.is_contiguous():
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=V, backend="cpu")
+        return logits
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
     allowed = bits.view(R, -1)[:, :V].bool()  # [R, V]
@@ -86,7 +95,8 @@ class GrammarCache:
         self._compiler: Any = None
         self._futures: dict[tuple[str, str], Future] = {}
         self._lock = threading.Lock()
-        # One thread: compiles are CPU-bound and the box has 2 cores; the step loop keeps the other.
+        # One worker: each compile fans out over 2 xgrammar threads (its per-token mask cache);
+        # a compile is then done in one go rather than several interleaved ones.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flatserve-grammar")
         self.num_compiles = 0
 
@@ -110,7 +120,7 @@ class GrammarCache:
         if self._compiler is None:  # ~3 s for Gemma 3's 262k vocabulary, once per engine
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self._stops)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         self.num_compiles += 1
         c, kind, val = self._compiler, spec.kind, spec.value
         try:

@@ -29,9 +29,9 @@ def _reference_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_apply_bitmask_matches_per_token_reference(device: str) -> None:
+@pytest.mark.parametrize("device,impl", [("cpu", "auto"), ("cpu", "torch"), pytest.param(
+    "cuda", "auto", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_apply_bitmask_matches_per_token_reference(device: str, impl: str) -> None:
     g = torch.Generator().manual_seed(7)
     R, V = 5, 203  # V not a multiple of 32: the last word is partly padding
     logits = torch.randn(R, V, generator=g)
@@ -39,7 +39,7 @@ def test_apply_bitmask_matches_per_token_reference(device: str) -> None:
     bm = bm.to(torch.int32)
     bm[2] = -1  # an unconstrained row: all bits set
     want = _reference_mask(logits, bm)
-    got = apply_bitmask(logits.to(device), bm.to(device)).cpu()
+    got = apply_bitmask(logits.to(device), bm.to(device), impl).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
     assert not torch.isinf(got[2]).any()
