@@ -107,7 +107,7 @@ def server(default_model_path):
          "--max-num-seqs", "16", "--served-model-name", "gemma-test", "--seed", "3"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc)
+    wait_healthy(url, proc, timeout=900)  # a loaded 2-core box: start-up can take minutes
     yield {"url": url, "proc": proc}
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
