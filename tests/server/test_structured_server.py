@@ -104,10 +104,15 @@ def server(default_model_path):
         [sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port), "--api-key", KEY,
          "--device", "cpu", "--attention-backend", "torch", "--kv-cache-memory", "256MiB",
          "--max-model-len", "1024",
-         "--max-num-seqs", "16", "--served-model-name", "gemma-test", "--seed", "3"],
+         "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--served-model-name",
+         "gemma-test", "--seed", "3"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, timeout=900)  # a loaded 2-core box: start-up can take minutes
+    try:
+        wait_healthy(url, proc, timeout=900)  # a loaded 2-core box: start-up can take minutes
+    except BaseException:
+        proc.kill()
+        raise
     yield {"url": url, "proc": proc}
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
