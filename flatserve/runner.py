@@ -15,6 +15,7 @@ from flatserve.attention.metadata import AttentionMetadata, forward_context
 from flatserve.engine.request import Request
 from flatserve.engine.sampler import Group, Logprobs, Sampler, accept_walk, expand
 from flatserve.engine.scheduler import SchedulerOutput
+from flatserve.engine.structured import fill_bitmask
 from flatserve.model.config import ModelConfig
 from flatserve.model.cpu_stack import build as cpu_stack_build
 from flatserve.model.layers import Attention, DecoderLayers
@@ -131,10 +132,12 @@ class ModelRunner:
         return hidden[batch.logits_index]
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, sampler: Sampler, prev: InFlight | None = None
-               ) -> InFlight | None:
+    def launch(self, out: SchedulerOutput, sampler: Sampler, prev: InFlight | None = None,
+               before_masks: Callable[[], None] | None = None) -> InFlight | None:
         """Enqueue the step's forward and sampling; the sampled ids start their copy to the
-        host. `prev` (async scheduling) holds the previous step's ids still on the device."""
+        host. `prev` (async scheduling) holds the previous step's ids still on the device.
+        With grammar-constrained rows, the host fills their token masks after the forward is
+        enqueued; `before_masks` (async) first reads the previous step's tokens into the matchers."""
         batch = build_flat_batch(out, self.block_size, self.device)
         if batch.pending_index:
             assert prev is not None, "a pending token needs the step that sampled it"
@@ -147,7 +150,14 @@ class ModelRunner:
             return None
         rows = expand(batch.groups)
         st = sampler.prepare(rows, self.device)
-        if self.greedy_head is not None and sampler.argmax_only(rows, st):
+        if any(r.req.grammar is not None for r in rows):
+            logits = self.forward_logits(batch)  # [R, V], enqueued: the host fills masks meanwhile
+            if before_masks is not None:
+                before_masks()
+            mask = fill_bitmask(rows, logits.shape[-1])
+            st.bitmask = None if mask is None else dev.to_device(mask, self.device)
+            tokens, accepted, logprobs = sampler.sample(logits, rows, st)
+        elif self.greedy_head is not None and sampler.argmax_only(rows, st):
             tokens = self.greedy_head(self.forward_hidden(batch))  # [R], no [R, V] logits
             accepted = None if st.draft is None else tokens == st.draft
             logprobs: list[Logprobs | None] = [None] * len(rows)

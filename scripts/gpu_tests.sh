@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-need="gguf fastapi uvicorn prometheus-client pydantic httpx pytest hypothesis openai psutil xgrammar pytest-xdist ninja"
+need="gguf fastapi uvicorn prometheus-client pydantic httpx pytest hypothesis openai psutil xgrammar jsonschema pytest-xdist ninja"
 if [ -d .whl ]; then
   $PY -m pip install -q --no-index --find-links .whl $need 2>&1 | grep -v -i warning | tail -3
 fi

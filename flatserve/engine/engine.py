@@ -17,6 +17,7 @@ from flatserve.engine.sampler import Logprobs, Sampler
 from flatserve.engine.sampling_params import SamplingParams
 from flatserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flatserve.engine.startup import EngineState, start_up
+from flatserve.engine.structured import GrammarCache
 from flatserve.runner import InFlight
 from flatserve.spec import Proposer, SpecStats
 
@@ -80,6 +81,8 @@ class Engine:
         self.num_generation_tokens = 0
         self._inflight: tuple[SchedulerOutput, InFlight | None] | None = None  # async only
         self._history_readers: set[str] = set()  # live parents with penalties (sync steps)
+        self.grammars = GrammarCache(self.tokenizer, s.model.vocab_size, sorted(s.eos_token_ids))
+        self._awaiting: list[Request] = []  # constrained requests whose grammar is compiling
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -120,8 +123,15 @@ class Engine:
                 self.tokenizer, ids, params.stop_strings, params.skip_special_tokens,
                 params.include_stop_str_in_output), [] if params.logprobs is not None else None)
             parent.children.append(child)
+        if params.structured_outputs is not None:
+            stops = [*self.state.eos_token_ids, *(params.stop_token_ids or [])]
+            for child in parent.children:
+                child.req.grammar = self.grammars.request_grammar(params.structured_outputs, stops)
         for child in parent.children:
-            self.scheduler.add_request(child.req)
+            if child.req.grammar is not None:
+                self._awaiting.append(child.req)  # admitted by `_admit` once compiled
+            else:
+                self.scheduler.add_request(child.req)
             self.children[child.req.request_id] = (parent, child)
         self.parents[rid] = parent
         if params.uses_history:
@@ -137,12 +147,43 @@ class Engine:
         for c in parent.children:
             self.scheduler.abort(c.req.request_id)
             self.children.pop(c.req.request_id, None)
+            if c.req in self._awaiting:
+                self._awaiting.remove(c.req)
+                c.req.status = RequestStatus.FINISHED_ABORTED
         return True
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one device)."""
         if self.executor is not None:
             self.executor.shutdown()
+
+    def _admit(self, wait: bool) -> list[RequestOutput]:
+        """Queue constrained requests whose grammar has compiled; end those whose compile failed.
+        `wait`: nothing else can step, so block briefly on a compile instead of spinning."""
+        if not self._awaiting:
+            return []
+        if wait and not any(r.grammar.poll() for r in self._awaiting):
+            from concurrent.futures import FIRST_COMPLETED
+            from concurrent.futures import wait as wait_futures
+
+            wait_futures([r.grammar.compiled for r in self._awaiting], 0.05, FIRST_COMPLETED)
+        failed: dict[str, _Parent] = {}
+        still = []
+        for req in self._awaiting:
+            if not req.grammar.poll():
+                still.append(req)
+            elif req.grammar.failed is not None:
+                req.status, req.stop_reason = RequestStatus.FINISHED_ABORTED, req.grammar.failed
+                failed[self.children[req.request_id][0].request_id] = self.children[req.request_id][0]
+            else:
+                self.scheduler.add_request(req)
+        self._awaiting = still
+        results = []
+        for parent in failed.values():
+            if parent.finished:
+                results.append(self._output(parent))
+                self._drop(parent)
+        return results
 
     def has_unfinished(self) -> bool:
         return bool(self.parents) or self._inflight is not None
@@ -160,21 +201,29 @@ class Engine:
             # Penalties read every earlier output on the host: drain, then step synchronously.
             self._inflight = None
             return self._finish_step(*prev, emit_unfinished)
+        results: list[RequestOutput] = self._admit(wait=prev is None and not self.scheduler.requests)
         out = self.scheduler.schedule()
         launched = None
+
+        def finish_prev() -> None:
+            # Async with grammars: the masks of this step need the previous step's tokens, so
+            # the runner reads them here, after this step's forward is enqueued, before sampling.
+            nonlocal prev
+            if prev is not None:
+                self._inflight, done, prev = None, prev, None
+                results.extend(self._finish_step(*done, emit_unfinished))
+
         if not out.is_empty:
-            launched = self.runner.launch(out, self.sampler, prev[1] if prev else None)
+            launched = self.runner.launch(out, self.sampler, prev[1] if prev else None,
+                                          finish_prev if self.async_mode else None)
             if self.async_mode:
                 self.scheduler.commit(out)
-        results: list[RequestOutput] = []
-        if prev is not None:
-            self._inflight = None
-            results = self._finish_step(*prev, emit_unfinished)
+        finish_prev()
         if not out.is_empty:
             if self.async_mode:
                 self._inflight = (out, launched)
             else:
-                results = self._finish_step(out, launched, emit_unfinished)
+                results.extend(self._finish_step(out, launched, emit_unfinished))
         return results
 
     def _finish_step(self, out: SchedulerOutput, launched: InFlight | None,
@@ -193,8 +242,14 @@ class Engine:
             self.spec.record(len(toks), out_spec.get(req.request_id, 0))
             # The scheduler appended tokens up to an eos/length stop; a stop string may cut earlier.
             start = before[req.request_id]
-            for i, (tok, lp) in enumerate(zip(toks[:req.num_tokens - start], lps)):
-                if self._absorb(child, tok, lp) and i + 1 < req.num_tokens - start:
+            n = req.num_tokens - start
+            for i, (tok, lp) in enumerate(zip(toks[:n], lps)):
+                ended = self._absorb(child, tok, lp)
+                if req.grammar is not None and not req.grammar.accept(tok) and not ended:
+                    ended = True  # the grammar is complete (its stop token) or refused the token
+                    if not req.status.finished:
+                        self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+                if ended:
                     del req.token_ids[start + i + 1:]
                     break
             touched[parent.request_id] = parent
@@ -212,11 +267,14 @@ class Engine:
             if emit_unfinished or done:
                 results.append(self._output(parent))
             if done:
-                self.parents.pop(parent.request_id, None)
-                self._history_readers.discard(parent.request_id)
-                for c in parent.children:
-                    self.children.pop(c.req.request_id, None)
+                self._drop(parent)
         return results
+
+    def _drop(self, parent: _Parent) -> None:
+        self.parents.pop(parent.request_id, None)
+        self._history_readers.discard(parent.request_id)
+        for c in parent.children:
+            self.children.pop(c.req.request_id, None)
 
     def _absorb(self, child: _Child, tok: int, lp: Logprobs | None) -> bool:
         """Take one output token; True when a stop string ended the request on it."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from flatserve.engine.sampling_params import SamplingParams
 
@@ -51,6 +52,9 @@ class Request:
     # Async scheduling: tokens sampled by a launched step whose values are still on the device
     # (0 or 1 between steps). The scheduler counts them as known; the runner reads them there.
     num_pending: int = 0
+    # Constrained decoding: the request's grammar state (engine/structured.py); the scheduler
+    # never reads it, and the engine admits the request only once its grammar has compiled.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

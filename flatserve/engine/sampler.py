@@ -18,6 +18,7 @@ import torch
 
 from flatserve import device as dev
 from flatserve.engine.request import Request
+from flatserve.engine.structured import apply_bitmask
 
 Logprobs = list[tuple[int, float]]  # (token id, logprob): the sampled token first, then top-n
 
@@ -73,6 +74,7 @@ class SamplingTensors:
     seeds: list[int | None]  # per row; None -> the engine's generator
     num_logprobs: list[int | None]
     draft: torch.Tensor | None = None  # [R] int64, -1 on bonus rows; None without drafts
+    bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32 allowed tokens (grammars); None: all
 
     def rows(self, a: int, b: int) -> SamplingTensors:
         """The same parameters for rows a..b only."""
@@ -81,7 +83,7 @@ class SamplingTensors:
 
         return SamplingTensors(self.greedy[a:b], self.all_greedy, self.temperature[a:b], cut(self.top_k),
                                cut(self.top_p), cut(self.min_p), self.seeds[a:b],
-                               self.num_logprobs[a:b], cut(self.draft))
+                               self.num_logprobs[a:b], cut(self.draft), cut(self.bitmask))
 
 
 # The fp32 path's [rows, vocab] temporaries (the fp32 copy, probabilities, sort values and int64
@@ -169,7 +171,8 @@ class Sampler:
     def argmax_only(rows: list[SampleRow], st: SamplingTensors) -> bool:
         """Every row takes the argmax of the raw logits: greedy, no logprobs, nothing that
         edits logits (penalties, bias, a min_tokens eos mask)."""
-        return st.all_greedy and all(n is None for n in st.num_logprobs) and not any(map(_processed, rows))
+        return (st.all_greedy and st.bitmask is None and all(n is None for n in st.num_logprobs)
+                and not any(map(_processed, rows)))
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow], st: SamplingTensors
                ) -> tuple[torch.Tensor, torch.Tensor | None, list[Logprobs | None]]:
@@ -192,7 +195,10 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow], st: SamplingTensors
                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[Logprobs | None]]:
-        logits = self.apply_logits_processors(logits.float(), rows)
+        logits = logits.float()
+        if st.bitmask is not None:  # grammars first: bias or penalties never revive a masked token
+            apply_bitmask(logits, st.bitmask)
+        logits = self.apply_logits_processors(logits, rows)
         logprobs = logits.log_softmax(-1) if any(n is not None for n in st.num_logprobs) else None
         # max(dim).indices' rule (argmax's first-index tie rule; on the CPU a vector kernel).
         tokens = dev.row_argmax(logits)  # [R]

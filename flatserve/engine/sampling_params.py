@@ -25,6 +25,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None  # an output constraint (grammar)
     _stop_list: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,3 +80,59 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self._stop_list):
             raise ValueError("stop strings must be non-empty")
+
+
+_KINDS = ("json", "json_object", "any_json", "regex", "grammar", "choice")
+
+
+@dataclass(slots=True)
+class StructuredOutputs:
+    """One output constraint, as vLLM's `StructuredOutputsParams`: a JSON schema (`json`, a dict or
+    its text), `json_object` (any JSON object), `any_json` (any JSON value), a `regex`, an EBNF/GBNF
+    `grammar`, or a `choice` list. Exactly one is set. Compiled by flatserve/engine/structured.py."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    any_json: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("structured outputs need exactly one of json, json_object, any_json, "
+                             f"regex, grammar, choice; got {set_ or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c
+                                                                  for c in self.choice)):
+            raise ValueError("structured output choice must be a non-empty list of non-empty strings")
+        if isinstance(self.json, str):
+            import json as _json
+
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured output json schema is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured output json schema must be a JSON object")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured output {k} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def value(self) -> str:
+        """The spec as text (schemas and choice lists as canonical JSON)."""
+        import json as _json
+
+        v = getattr(self, self.kind)
+        if isinstance(v, (dict, list)):
+            return _json.dumps(v, sort_keys=True, separators=(",", ":"))
+        return v if isinstance(v, str) else ""
+
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.value

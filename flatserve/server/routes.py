@@ -12,8 +12,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flatserve.engine.chat import render
 from flatserve.engine.outputs import CompletionOutput, RequestOutput
-from flatserve.engine.sampling_params import SamplingParams
-from flatserve.server.protocol import ChatRequest, CompletionRequest, _Sampling
+from flatserve.engine.sampling_params import SamplingParams, StructuredOutputs
+from flatserve.server.protocol import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling
+from flatserve.server.tools import (ToolStreamer, forced_spec, parse_auto, parse_forced,
+                                    template_formats, template_messages)
 
 if TYPE_CHECKING:
     from flatserve.server.app import ServerState
@@ -31,8 +33,48 @@ def _check_model(state: ServerState, req: _Sampling) -> None:
                         f"'{state.model_name}'", "model", "model_not_found")
 
 
+def _structured(req: _Sampling, tool_spec: StructuredOutputs | None = None
+                ) -> StructuredOutputs | None:
+    """The request's one output constraint: response_format, structured_outputs, or the
+    grammar of a required/named tool_choice."""
+    specs: list[tuple[str, StructuredOutputs]] = []
+    rf, so = req.response_format, req.structured_outputs
+    try:
+        if rf is not None and rf.type == "json_object":
+            specs.append(("response_format", StructuredOutputs(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise _err(400, "response_format of type json_schema needs 'json_schema'",
+                           "response_format")
+            specs.append(("response_format", StructuredOutputs(json=rf.json_schema.schema_)))
+        if so is not None:
+            specs.append(("structured_outputs", StructuredOutputs(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=bool(so.json_object))))
+    except ValueError as e:
+        raise _err(400, str(e), "structured_outputs" if so is not None else "response_format") from None
+    if tool_spec is not None:
+        specs.append(("tool_choice", tool_spec))
+    if len(specs) > 1:
+        raise _err(400, f"only one output constraint per request; got {', '.join(n for n, _ in specs)}",
+                   specs[1][0])
+    return specs[0][1] if specs else None
+
+
+async def _compile(state: ServerState, spec: StructuredOutputs | None, param: str) -> None:
+    """Compile (cached) on the grammar thread: a bad schema, regex or grammar is a 400 here,
+    and the engine admits the request at once."""
+    if spec is None:
+        return
+    try:
+        await asyncio.wrap_future(state.engine.grammars.submit(spec))
+    except ValueError as e:
+        raise _err(400, str(e), param) from None
+
+
 def _params(req: _Sampling, max_tokens: int, logprobs: int | None,
-            stop_ids: list[int] | None = None) -> SamplingParams:
+            stop_ids: list[int] | None = None, structured: StructuredOutputs | None = None
+            ) -> SamplingParams:
     try:
         return SamplingParams(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -41,7 +83,8 @@ def _params(req: _Sampling, max_tokens: int, logprobs: int | None,
             min_p=req.min_p or 0.0, seed=req.seed, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None,
-            stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
+            stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            structured_outputs=structured)
     except ValueError as e:
         raise _err(400, str(e)) from None
 
@@ -159,7 +202,10 @@ async def completions(state: ServerState, req: CompletionRequest, raw: Request) 
         raise _err(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
     prompts = _prompts(req)
     ids = [_tokenize(state, p) for p in prompts]
-    jobs = [(i, _params(req, _check_len(state, i, req.max_tokens, "prompt"), req.logprobs)) for i in ids]
+    spec = _structured(req)
+    jobs = [(i, _params(req, _check_len(state, i, req.max_tokens, "prompt"), req.logprobs, None, spec))
+            for i in ids]
+    await _compile(state, spec, "response_format" if req.response_format else "structured_outputs")
     echo = [(p if isinstance(p, str) else state.engine.tokenizer.decode(p)) if req.echo else ""
             for p in prompts]
     subs = await _submit_all(state, jobs)
@@ -177,35 +223,107 @@ async def completions(state: ServerState, req: CompletionRequest, raw: Request) 
     return JSONResponse({**base, "choices": choices, "usage": _usage([len(i) for i in ids], outs)})
 
 
+def _tool_setup(state: ServerState, req: ChatRequest
+                ) -> tuple[str | None, list[str], set[str], StructuredOutputs | None]:
+    """-> (mode: None | "auto" | "forced", the template's formats, tool names, forced grammar)."""
+    tools = [t.model_dump() for t in req.tools or []]
+    names = {t["function"]["name"] for t in tools}
+    choice = req.tool_choice or ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise _err(400, "tool_choice needs a non-empty 'tools' list", "tool_choice")
+    if not tools:
+        return None, [], names, None
+    formats = template_formats(state.template)
+    if formats is None:
+        raise _err(400, "this model's chat template does not support tools (it never reads "
+                        "'tools'); pass --chat-template with one that does", "tools")
+    if choice == "none":
+        return None, formats, names, None
+    if choice == "auto":
+        return "auto", formats, names, None
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if name is not None and name not in names:
+        raise _err(400, f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+    return "forced", formats, names, forced_spec(tools, name, req.parallel_tool_calls)
+
+
+def _messages(req: ChatRequest) -> list[dict[str, Any]]:
+    msgs = []
+    for m in req.messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        msgs.append(d)
+    return template_messages(msgs)
+
+
+def _message(c: CompletionOutput, mode: str | None, formats: list[str], names: set[str]
+             ) -> tuple[dict[str, Any], str | None]:
+    """A finished choice's message and finish reason; tool calls parsed out of the text."""
+    calls = None
+    content: str | None = c.text
+    if mode == "forced" and c.finish_reason == "stop":
+        calls = parse_forced(c.text)
+        content = None
+    elif mode == "auto":
+        content, calls = parse_auto(c.text, formats, names)
+    if not calls:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    return ({"role": "assistant", "content": content,
+             "tool_calls": [x.openai() for x in calls]}, "tool_calls")
+
+
 async def chat(state: ServerState, req: ChatRequest, raw: Request) -> Response:
     _check_model(state, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise _err(400, "top_logprobs requires logprobs=true", "top_logprobs")
+    mode, formats, names, tool_spec = _tool_setup(state, req)
+    spec = _structured(req, tool_spec)
+    tools = [t.model_dump() for t in req.tools] if req.tools and req.tool_choice != "none" else None
     try:
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = render(state.engine.tokenizer, state.template, msgs)
+        ids = render(state.engine.tokenizer, state.template, _messages(req), tools=tools)
     except ValueError as e:
         raise _err(400, str(e), "messages") from None
     except Exception as e:  # jinja raises its own errors for templates that reject a conversation
         raise _err(400, f"the chat template rejected these messages: {e}", "messages") from None
     max_tokens = _check_len(state, ids, req.max_completion_tokens or req.max_tokens, "messages")
     stop_ids = [state.eot] if state.eot is not None else None
-    params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop_ids)
+    params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop_ids, spec)
+    await _compile(state, spec, "tool_choice" if tool_spec is not None else
+                   "response_format" if req.response_format else "structured_outputs")
     subs = await _submit_all(state, [(ids, params)])
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     if req.stream:
         base["object"] = "chat.completion.chunk"
+        streamers = {i: ToolStreamer(mode, formats, names) for i in range(req.n)} if mode else {}
 
-        def delta(k: int, c: CompletionOutput, text: str, start: int) -> dict:
-            return {"index": c.index, "delta": {"content": text} if text else {},
-                    "logprobs": _chat_logprobs(c, start), "finish_reason": c.finish_reason}
+        def delta(k: int, c: CompletionOutput, text: str, start: int) -> dict | list[dict] | None:
+            lp = _chat_logprobs(c, start)
+            if not mode:
+                return {"index": c.index, "delta": {"content": text} if text else {},
+                        "logprobs": lp, "finish_reason": c.finish_reason}
+            deltas, reason = streamers[c.index].feed(text, c.finish_reason)
+            if not deltas and reason is None:
+                return None if lp is None or not lp["content"] else \
+                    {"index": c.index, "delta": {}, "logprobs": lp, "finish_reason": None}
+            deltas = deltas or [{}]
+            return [{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None,
+                     "finish_reason": reason if i == len(deltas) - 1 else None}
+                    for i, d in enumerate(deltas)]
 
         return _stream(state, subs, raw, base, [len(ids)], req, delta, [""], role_first=True)
     outs = await _collect(state, subs, raw)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(c, 0), "finish_reason": c.finish_reason}
-               for o in outs if o for c in o.outputs]
+    choices = []
+    for o in outs:
+        for c in o.outputs if o else ():
+            msg, reason = _message(c, mode, formats, names)
+            choices.append({"index": c.index, "message": msg, "logprobs": _chat_logprobs(c, 0),
+                            "finish_reason": reason})
     return JSONResponse({**base, "choices": choices, "usage": _usage([len(ids)], outs)})
 
 
@@ -238,7 +356,9 @@ def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Requ
                     out = fut.result()
                     if out is None:  # aborted (shutdown): close its choices with a final chunk
                         for i in range(req.n):
-                            yield "data: " + dumps({**base, "choices": [_aborted(make, k, i)]}) + "\n\n"
+                            made = _aborted(make, k, i)
+                            for ch in [made] if isinstance(made, dict) else made or []:
+                                yield "data: " + dumps({**base, "choices": [ch]}) + "\n\n"
                         continue
                     for c in out.outputs:
                         key = (k, c.index)
@@ -246,7 +366,9 @@ def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Requ
                         new_text, new_tok = c.text[t0:], len(c.token_ids) - n0
                         if new_text or c.finish_reason or (new_tok and c.logprobs is not None):
                             sent_text[key], sent_tok[key] = len(c.text), len(c.token_ids)
-                            yield "data: " + dumps({**base, "choices": [make(k, c, new_text, n0)]}) + "\n\n"
+                            made = make(k, c, new_text, n0)  # one choice, several, or none yet
+                            for ch in [made] if isinstance(made, dict) else made or []:
+                                yield "data: " + dumps({**base, "choices": [ch]}) + "\n\n"
                     finals[k] = out
                     if not out.finished:
                         getters[asyncio.ensure_future(_next(subs[k][1]))] = k
@@ -260,6 +382,6 @@ def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Requ
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _aborted(make: Callable[..., dict], k: int, i: int) -> dict[str, Any]:
+def _aborted(make: Callable[..., Any], k: int, i: int) -> Any:
     c = CompletionOutput(i, "", [], finish_reason="abort")
     return make(k, c, "", 0)
