@@ -48,6 +48,7 @@ class LLM:
         ids = [self._prompt_ids(p) for p in prompts]
         for p in plist:
             p.validate()
+            p.check_vocab(self.engine.state.model.vocab_size)
         rids = [self.engine.add_request(i, p) for i, p in zip(ids, plist)]
         return self._run(rids, use_tqdm)
 

@@ -1,0 +1,94 @@
+"""The memory budget on shared RAM counts other processes: at start (the plan uses the RAM
+available then) and while serving (under the reserve the KV pool stops growing, and the
+scheduler preempts or queues instead)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flatserve import LLM, SamplingParams
+from flatserve.engine.kv_manager import BlockPool
+from flatserve.memory import GiB, BudgetRequest, MemoryProbe, RamWatch, plan
+from tests.conftest import VOCAB, build_checkpoint
+
+
+def _req(**kw) -> BudgetRequest:
+    return BudgetRequest(**{**dict(weights=1 * GiB, peak_activations=GiB // 2, bytes_per_block=2**20,
+                                   block_size=16, model_max_len=4096, runtime=GiB // 2), **kw})
+
+
+def test_plan_counts_ram_other_processes_hold() -> None:
+    idle = plan(MemoryProbe(32 * GiB, 32 * GiB - GiB // 2, True, "cpu"), _req())
+    busy = plan(MemoryProbe(32 * GiB, 12 * GiB, True, "cpu"), _req())
+    # 32 GiB box, reserve 6: idle leaves 32-6-0.5-1-0.5 = 24 GiB for KV; with 19.5 GiB held by
+    # others (32 - 12 available - 0.5 ours), 4.5 GiB.
+    assert idle.kv_budget == 24 * GiB and idle.others == 0
+    assert busy.others == 32 * GiB - 12 * GiB - GiB // 2
+    assert busy.kv_budget == idle.kv_budget - busy.others == 9 * GiB // 2
+    assert busy.num_blocks == busy.kv_budget // 2**20
+    assert "other processes 19.50 GiB" in busy.startup_line()
+    assert "(--kv-cache-memory overrides)" not in busy.startup_line()
+
+
+def test_ram_watch_freezes_under_reserve_with_hysteresis() -> None:
+    free = [10 * GiB]
+    w = RamWatch(4 * GiB, lambda: free[0], interval=1.0, hysteresis=GiB // 4)
+    assert not w.frozen_now(0.0)
+    free[0] = 3 * GiB
+    assert not w.frozen_now(0.5)  # read at most once per interval
+    assert w.frozen_now(1.0) and w.num_freezes == 1
+    free[0] = 4 * GiB + GiB // 8  # above the reserve, inside the hysteresis: still frozen
+    assert w.frozen_now(2.0)
+    free[0] = 5 * GiB
+    assert not w.frozen_now(3.0)
+    free[0] = 0
+    assert w.frozen_now(4.0) and w.num_freezes == 2
+
+
+def test_frozen_pool_reuses_but_maps_no_new_blocks() -> None:
+    pool = BlockPool(100, enable_caching=False)
+    a = pool.take(10)
+    pool.release(a[:4])
+    pool.limit_growth(0)  # no fresh block at all
+    assert pool.num_free == 99 - 6 and pool.num_takeable == 4
+    b = pool.take(4)
+    assert sorted(b) == sorted(a[:4]) and pool.num_takeable == 0
+    pool.limit_growth(12)  # the first 12 usable blocks: ids 11 and 12 may still be mapped
+    assert pool.num_takeable == 2 and pool.take(2) == [11, 12] and pool.num_takeable == 0
+    pool.limit_growth(None)
+    assert pool.num_takeable == 87 and pool.take(1) == [13]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    path, _ = build_checkpoint("qwen3", tmp_path_factory.mktemp("ram"))
+    return LLM(model=str(path), dtype="float32", device="cpu", max_model_len=256,
+               num_gpu_blocks_override=400, max_num_seqs=16, attention_backend="torch",
+               fused_ops="none", cpu_gemm="torch", enable_prefix_caching=False)
+
+
+def test_low_ram_stops_pool_growth_and_requests_still_finish(llm) -> None:
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    eng = llm.engine
+    assert eng.ram_watch is not None
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [[rng.randrange(4, VOCAB) for _ in range(rng.randint(20, 60))] for _ in range(10)]
+    ref = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    held = eng.kv.pool.fresh_next  # blocks ever mapped so far
+    # Now other processes take the RAM: available is under the reserve from here on.
+    eng.ram_watch.available, eng.ram_watch.interval = (lambda: 0), 0.0
+    # Twice the sequences at once: they need more blocks than the pool has mapped.
+    more = prompts + [[rng.randrange(4, VOCAB) for _ in range(60)] for _ in range(6)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in more], sp, use_tqdm=False)
+    assert eng.kv.pool.fresh_next == held, "the pool mapped new blocks under the reserve"
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids, f"seed={seed}"
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert eng.num_used_blocks == 0
+    eng.kv.check_invariants()
+    eng.ram_watch.available = lambda: 1 << 62  # RAM back: growth resumes
+    llm.generate([{"prompt_token_ids": p} for p in more], sp, use_tqdm=False)
+    assert eng.kv.pool.fresh_next > held
