@@ -34,8 +34,7 @@ async def send_error(send: Send, status: int, message: str, code: str | None = N
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}
                       ).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close")]})
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -83,6 +82,23 @@ async def read_body(receive: Receive, headers: dict[str, bytes], limit: int = MA
             return b"".join(parts), None
 
 
+async def discard_body(receive: Receive, limit: int = 8 * MAX_BODY_BYTES) -> None:
+    """After a 413, read (and drop) what the client is still sending, up to `limit` bytes: a
+    server that closes with unread bytes makes the kernel reset the connection, and the client
+    may lose the 413 it has not read yet (it sees a broken pipe instead)."""
+    total = 0
+    while total <= limit:
+        try:
+            msg = await asyncio.wait_for(receive(), timeout=BODY_IDLE_S)
+        except asyncio.TimeoutError:
+            return
+        if msg["type"] != "http.request":
+            return
+        total += len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return
+
+
 def replay(body: bytes, receive: Receive) -> Receive:
     """The app's `receive`: the body read above, then the real channel (disconnects)."""
     sent = False
@@ -116,7 +132,10 @@ class GuardMiddleware:
                 return await send_error(send, 503, busy, "service_unavailable", "server_error")
             body, refuse = await read_body(receive, headers)
             if refuse is not None:
-                return await send_error(send, *refuse)
+                await send_error(send, *refuse)
+                if refuse[0] == 413:
+                    await discard_body(receive)
+                return
             if body is None:
                 return  # the client went away mid-body
             receive = replay(body, receive)

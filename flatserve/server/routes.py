@@ -17,6 +17,8 @@ from flatserve.server.async_engine import Unavailable
 from flatserve.server.protocol import ChatRequest, CompletionRequest, _Sampling
 from flatserve.server.validate import check_strings, failed_request, off_loop
 
+MAX_PROMPTS = 256  # a batch of prompts is that many engine requests (times n)
+
 if TYPE_CHECKING:
     from flatserve.server.app import ServerState
 
@@ -76,6 +78,8 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
         raise _err(400, "prompt is empty", "prompt")
     if all(isinstance(x, int) for x in p):
         return [p]  # type: ignore[list-item]
+    if len(p) > MAX_PROMPTS:
+        raise _err(400, f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
     return list(p)  # type: ignore[arg-type]
 
 
@@ -127,7 +131,12 @@ async def _collect(state: ServerState, subs: list[tuple[str, asyncio.Queue]], ra
             waiter.cancel()
             return []
         await asyncio.wait({waiter}, timeout=0.1)
-    return waiter.result()
+    try:
+        return waiter.result()
+    except BaseException:  # one prompt of several failed: the others stop too
+        for rid, _ in subs:
+            state.async_engine.abort(rid)
+        raise
 
 
 def _usage(prompt_lens: list[int], outs: list[RequestOutput | None]) -> dict[str, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -16,15 +17,17 @@ from flatserve import LLM, SamplingParams
 from flatserve.engine.sampler import Sampler
 from flatserve.engine.sampling_params import SEED_MOD, ParamError
 from tests.conftest import VOCAB, build_checkpoint
+from tests.server.live import no_cpp_builds
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
+def llm(tmp_path_factory) -> Iterator[LLM]:
     path, _ = build_checkpoint("qwen3", tmp_path_factory.mktemp("iso"))
     # The torch backend and no fused ops: nothing here needs the C++ kernels (or their build).
-    return LLM(model=str(path), dtype="float32", device="cpu", max_model_len=256,
-               num_gpu_blocks_override=200, max_num_seqs=16, attention_backend="torch",
-               fused_ops="none", cpu_gemm="torch")
+    with no_cpp_builds():
+        yield LLM(model=str(path), dtype="float32", device="cpu", max_model_len=256,
+                  num_gpu_blocks_override=200, max_num_seqs=16, attention_backend="torch",
+                  fused_ops="none", cpu_gemm="torch")
 
 
 BAD = [

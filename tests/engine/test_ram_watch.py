@@ -4,6 +4,7 @@ scheduler preempts or queues instead)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -11,6 +12,7 @@ from flatserve import LLM, SamplingParams
 from flatserve.engine.kv_manager import BlockPool
 from flatserve.memory import GiB, BudgetRequest, MemoryProbe, RamWatch, plan
 from tests.conftest import VOCAB, build_checkpoint
+from tests.server.live import no_cpp_builds
 
 
 def _req(**kw) -> BudgetRequest:
@@ -61,11 +63,12 @@ def test_frozen_pool_reuses_but_maps_no_new_blocks() -> None:
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
+def llm(tmp_path_factory) -> Iterator[LLM]:
     path, _ = build_checkpoint("qwen3", tmp_path_factory.mktemp("ram"))
-    return LLM(model=str(path), dtype="float32", device="cpu", max_model_len=256,
-               num_gpu_blocks_override=400, max_num_seqs=16, attention_backend="torch",
-               fused_ops="none", cpu_gemm="torch", enable_prefix_caching=False)
+    with no_cpp_builds():
+        yield LLM(model=str(path), dtype="float32", device="cpu", max_model_len=256,
+                  num_gpu_blocks_override=400, max_num_seqs=16, attention_backend="torch",
+                  fused_ops="none", cpu_gemm="torch", enable_prefix_caching=False)
 
 
 def test_low_ram_stops_pool_growth_and_requests_still_finish(llm) -> None:

@@ -71,7 +71,7 @@ def test_engine_fault_stops_the_server_with_503s_and_exit_1(tiny) -> None:
                 later.append("gone")
         assert set(later) <= {503, "gone"}, later
         assert proc.wait(timeout=60) == 1
-        assert "engine stopped" in proc.stdout.read()
+        assert "engine stopped" in live.output(proc)
     finally:
         proc.kill()
 
