@@ -75,11 +75,15 @@ async def load(url: str, items: list[tuple[str, str | None]], conc: int, max_tok
     sem = asyncio.Semaphore(conc)
     counts = {"requests": len(items), "disconnects": 0, "kept": 0, "correct": 0, "wrong": 0}
     bad: list[str] = []
+    t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc)
     async with httpx.AsyncClient(timeout=600, limits=limits) as cl:
         async def run(prompt: str, drop: str | None) -> None:
             async with sem:
                 status, text = await one(cl, url, prompt, max_tokens, drop)
+            done = counts["kept"] + counts["disconnects"] + 1
+            if done % 100 == 0:
+                print(f"{done} done, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             if status == "dropped":
                 counts["disconnects"] += 1
                 return
@@ -102,6 +106,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=32, help="distinct prompts (references)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-cpp-build", action="store_true",
+                    help="serve without building the C++ kernels (they fail to build on AVX2-only "
+                         "CPUs, where the server falls back to the torch paths anyway)")
     ap.add_argument("server_args", nargs="*", help="after --: extra `flatserve serve` flags")
     a = ap.parse_args()
     import psutil
@@ -109,8 +116,12 @@ def main() -> int:
     from flatserve.bench.serve import wait_healthy
 
     port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port),
-                             *a.server_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pre = ("import flatserve.device as d; d.CpuExtension.__call__ = lambda self: None; "
+           if a.no_cpp_build else "")
+    argv = ["serve", "--port", str(port), *a.server_args]
+    log = open(f"/tmp/load_disconnects_{port}.log", "w")  # a pipe nobody reads would fill up
+    proc = subprocess.Popen([sys.executable, "-c", f"{pre}import sys; from flatserve.cli import main; "
+                             f"sys.exit(main({argv!r}))"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout=900)

@@ -94,7 +94,7 @@ MORE = [  # types, ranges, sizes
     (C, {"prompt": "x", "temperature": 1e400}, "temperature"),
     (C, {"prompt": "x", "top_p": -0.0}, "top_p"),
     (C, {"prompt": "x", "min_p": -1}, "min_p"),
-    (C, {"prompt": "x", "stream": "yes"}, "stream"),
+    (C, {"prompt": "x", "stream": "maybe"}, "stream"),  # pydantic takes "yes" as true
     (C, {"prompt": "x", "n": 17}, "n"),
     (C, {"prompt": "x", "n": 2**70}, "n"),
     (C, {"prompt": "x", "logprobs": -1}, "logprobs"),

@@ -20,15 +20,21 @@ from tests.server import live
 
 POISON = 77  # a prompt token id that makes the injected forward raise
 
+# Armed by a request whose prompt ends in three POISON ids (start-up's profile steps run
+# arbitrary ids through the forward too); then the next forward raises a device fault.
 FAULT = f"""
-import torch
+from flatserve.engine.engine import Engine
 from flatserve.runner import ModelRunner
-_orig = ModelRunner.forward_hidden
+_add, _fwd = Engine.add_request, ModelRunner.forward_hidden
+def _arm(self, prompt, params, request_id=None):
+    if list(prompt)[-3:] == [{POISON}] * 3:
+        ModelRunner.armed = True
+    return _add(self, prompt, params, request_id)
 def _fault(self, batch):
-    if bool((batch.input_ids == {POISON}).any()):
+    if getattr(ModelRunner, "armed", False):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-    return _orig(self, batch)
-ModelRunner.forward_hidden = _fault
+    return _fwd(self, batch)
+Engine.add_request, ModelRunner.forward_hidden = _arm, _fault
 """
 
 
@@ -55,7 +61,7 @@ def test_engine_fault_stops_the_server_with_503s_and_exit_1(tiny) -> None:
         t = threading.Thread(target=long_stream)
         t.start()
         time.sleep(1.0)
-        r = httpx.post(url + "/v1/completions", timeout=60, json={"prompt": [5, POISON], "max_tokens": 2})
+        r = httpx.post(url + "/v1/completions", timeout=60, json={"prompt": [5] + [POISON] * 3, "max_tokens": 2})
         assert r.status_code == 503, r.text
         assert r.json()["error"]["type"] == "server_error"
         t.join(timeout=60)
