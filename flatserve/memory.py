@@ -11,6 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 GiB = 1024**3
+# Free RAM the KV pool leaves on shared memory, at start and while serving (RamWatch): below it
+# the kernel starts reclaiming page cache hard, then swaps or OOM-kills. Capped by the reserve,
+# so --os-reserve-gb 0 turns the watch off.
+FREE_FLOOR = 1 * GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +57,10 @@ class CacheBudget:
     unified: bool
     device: str
     runtime: int = 0
-    others: int = 0  # unified: RAM other processes held at start (total - available - runtime)
+    # Unified memory: what other processes held at start beyond the reserve (plus free_floor),
+    # held back from the KV budget; and the free RAM the pool must leave while serving.
+    others: int = 0
+    free_floor: int = 0
 
     @property
     def token_capacity(self) -> int:
@@ -100,13 +107,17 @@ def os_reserve_bytes(ram: int, override_gb: float | None) -> int:
 
 def plan(probe: MemoryProbe, req: BudgetRequest) -> CacheBudget:
     """The budget's arithmetic; raises BudgetError with the whole story when nothing fits."""
-    others = 0
+    others = floor = 0
     if probe.unified:
         reserve = os_reserve_bytes(probe.total, req.os_reserve_gb)
-        # RAM other processes hold counts: plan on what is available now, as the GPU path plans
-        # on free device memory. The probe is taken with our runtime loaded, so `available`
-        # already excludes it.
-        others = max(0, probe.total - probe.available - req.runtime)
+        # RAM other processes hold counts: the rest of the machine keeps the reserve or what it
+        # holds now plus a free floor, whichever is more (as the GPU path plans on free device
+        # memory). The probe is taken with our runtime loaded: `available` already excludes it.
+        # Not available - reserve: on the 24 GiB dev box with 3.4 GiB available (8 helpers'
+        # tests) that refused to start a 0.2 GiB model; the reserve is meant for those processes.
+        floor = min(reserve, FREE_FLOOR)
+        held = max(0, probe.total - probe.available - req.runtime)
+        others = max(0, held + floor - reserve)
     else:
         reserve = int(probe.total * (1 - req.gpu_memory_utilization))
         # As vLLM: the probe is taken before our weights load, so "in use" is other processes.
@@ -136,7 +147,7 @@ def plan(probe: MemoryProbe, req: BudgetRequest) -> CacheBudget:
         num_blocks = min(num_blocks, req.max_num_seqs * need_blocks + 1)
     budget = CacheBudget(num_blocks, req.block_size, max_len, clamped, probe.total, reserve,
                          req.weights, req.peak_activations, kv_budget, probe.unified, probe.device,
-                         req.runtime, others)
+                         req.runtime, others, floor)
     if need_blocks > num_blocks - 1 or max_len < 2:
         raise BudgetError(_refusal(budget, req, max(max_len, 2)))
     return budget
@@ -160,7 +171,7 @@ def _refusal(b: CacheBudget, req: BudgetRequest, max_len: int) -> str:
 
 class RamWatch:
     """While serving on shared memory: the KV pool stops growing while available RAM is under
-    the reserve, and grows again once it is back above it by `hysteresis`.
+    the floor (`CacheBudget.free_floor`), and grows again once it is back above it by `hysteresis`.
 
     The start-up plan saw the RAM available then; other processes may take more later. Growth
     is new pages of the pool (blocks never written before, `BlockPool.fresh_limit`); blocks it

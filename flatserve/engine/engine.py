@@ -170,7 +170,7 @@ class Engine:
         return results
 
     def _watch_ram(self) -> None:
-        """Shared RAM under the reserve: no new KV pages, except what the oldest request needs
+        """Shared RAM under the free floor: no new KV pages, except what the oldest request needs
         to finish (the plan guarantees one full sequence fits), so that it always goes on; the
         scheduler preempts newer requests for it or leaves them queued."""
         w, pool = self.ram_watch, self.kv.pool
@@ -187,7 +187,7 @@ class Engine:
         pool.limit_growth(need)
         if w.num_freezes > self._ram_warned:  # once per episode of low RAM
             self._ram_warned = w.num_freezes
-            log.warning("available RAM is under the %.1f GiB reserve: the KV pool stops growing "
+            log.warning("available RAM is under %.1f GiB: the KV pool stops growing "
                         "at %d blocks", w.reserve / 2**30, pool.fresh_next - 1)
 
     def _finish_step(self, out: SchedulerOutput, launched: InFlight | None,
@@ -314,11 +314,11 @@ class Engine:
 
 def _ram_watch(s: EngineState) -> RamWatch | None:
     """CPU pools map pages as blocks are first written: watch the RAM they come from."""
-    if s.device.type != "cpu" or not s.budget.unified:
+    if s.device.type != "cpu" or not s.budget.unified or not s.budget.free_floor:
         return None
     import psutil
 
-    return RamWatch(s.budget.reserve, lambda: psutil.virtual_memory().available)
+    return RamWatch(s.budget.free_floor, lambda: psutil.virtual_memory().available)
 
 
 def resolve_async(cfg: EngineConfig, device_type: str) -> bool:

@@ -23,14 +23,18 @@ def _req(**kw) -> BudgetRequest:
 def test_plan_counts_ram_other_processes_hold() -> None:
     idle = plan(MemoryProbe(32 * GiB, 32 * GiB - GiB // 2, True, "cpu"), _req())
     busy = plan(MemoryProbe(32 * GiB, 12 * GiB, True, "cpu"), _req())
-    # 32 GiB box, reserve 6: idle leaves 32-6-0.5-1-0.5 = 24 GiB for KV; with 19.5 GiB held by
-    # others (32 - 12 available - 0.5 ours), 4.5 GiB.
-    assert idle.kv_budget == 24 * GiB and idle.others == 0
-    assert busy.others == 32 * GiB - 12 * GiB - GiB // 2
-    assert busy.kv_budget == idle.kv_budget - busy.others == 9 * GiB // 2
+    # 32 GiB box, reserve 6: idle leaves 32-6-0.5-1-0.5 = 24 GiB for KV. Busy: others hold
+    # 32 - 12 available - 0.5 ours = 19.5 GiB; they keep that plus the 1 GiB floor (20.5), not
+    # just the reserve (6): 14.5 GiB more held back, 9.5 GiB for KV.
+    assert idle.kv_budget == 24 * GiB and idle.others == 0 and idle.free_floor == GiB
+    assert busy.others == 29 * GiB // 2
+    assert busy.kv_budget == idle.kv_budget - busy.others == 19 * GiB // 2
     assert busy.num_blocks == busy.kv_budget // 2**20
-    assert "other processes 19.50 GiB" in busy.startup_line()
+    assert "other processes 14.50 GiB" in busy.startup_line()
     assert "(--kv-cache-memory overrides)" not in busy.startup_line()
+    # At a full pool the busy box still has its floor free: 12 - 1 - 0.5 - 9.5 = 1 GiB.
+    assert 12 * GiB - busy.weights - busy.peak - busy.kv_budget == busy.free_floor
+    assert plan(MemoryProbe(32 * GiB, 12 * GiB, True, "cpu"), _req(os_reserve_gb=0)).free_floor == 0
 
 
 def test_ram_watch_freezes_under_reserve_with_hysteresis() -> None:
