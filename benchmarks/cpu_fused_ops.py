@@ -14,7 +14,6 @@ revision REV against the working tree's, built side by side, same inputs, altern
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.nn.functional as F

@@ -5,7 +5,6 @@ flatserve/attention/torch_backend.py; ms per call and the max error of each agai
 
     .venv/bin/python benchmarks/cpu_prefill_sdpa.py
 """
-import time
 
 import sys
 

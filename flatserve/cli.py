@@ -221,7 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("FLATSERVE_API_KEY"))
+    s.add_argument("--api-key", default=os.environ.get("FLATSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health; prefer "
+                        "the FLATSERVE_API_KEY environment variable, which (unlike a flag) other "
+                        "users cannot read in the process list")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests may run on before they "
+                        "end with finish_reason 'abort' (new ones get 503 meanwhile)")
     s.add_argument("--served-model-name", default=None)
     s.set_defaults(func=cmd_serve)
     _add_bench(sub)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -13,9 +13,9 @@ from flatserve import device as dev
 from flatserve.attention.base import get_backend
 from flatserve.attention.metadata import AttentionMetadata, forward_context
 from flatserve.engine.request import Request
-from flatserve.engine.sampler import Group, Logprobs, Sampler, accept_walk, expand
+from flatserve.engine.sampler import Group, Logprobs, Sampler, SamplingTensors, accept_walk, expand
 from flatserve.engine.scheduler import SchedulerOutput
-from flatserve.engine.structured import fill_bitmask
+from flatserve.engine.structured import apply_bitmask, fill_bitmask
 from flatserve.model.config import ModelConfig
 from flatserve.model.cpu_stack import build as cpu_stack_build
 from flatserve.model.layers import Attention, DecoderLayers
@@ -149,25 +149,43 @@ class ModelRunner:
             self.forward_hidden(batch)  # prompt chunks that sample nothing: KV writes only
             return None
         rows = expand(batch.groups)
-        st = sampler.prepare(rows, self.device)
-        if any(r.req.grammar is not None for r in rows):
-            logits = self.forward_logits(batch)  # [R, V], enqueued: the host fills masks meanwhile
-            if before_masks is not None:
-                before_masks()
-            mask = fill_bitmask(rows, logits.shape[-1])
-            st.bitmask = None if mask is None else dev.to_device(mask, self.device)
-            tokens, accepted, logprobs = sampler.sample(logits, rows, st)
-        elif self.greedy_head is not None and sampler.argmax_only(rows, st):
+        failed: dict[str, str] = {}
+        try:
+            st: SamplingTensors | None = sampler.prepare(rows, self.device)
+        except Exception as e:  # one request's values: found and failed alone below
+            _reraise_fatal(e)
+            st = None
+        constrained = any(r.req.grammar is not None for r in rows)
+        if st is not None and not constrained and self.greedy_head is not None \
+                and sampler.argmax_only(rows, st):
             tokens = self.greedy_head(self.forward_hidden(batch))  # [R], no [R, V] logits
             accepted = None if st.draft is None else tokens == st.draft
             logprobs: list[Logprobs | None] = [None] * len(rows)
         else:
-            tokens, accepted, logprobs = sampler.sample(self.forward_logits(batch), rows, st)
+            logits = self.forward_logits(batch)  # [R, V], enqueued: the host fills masks meanwhile
+            if constrained:
+                if before_masks is not None:
+                    before_masks()
+                mask = fill_bitmask(rows, logits.shape[-1])
+                if mask is not None:
+                    mask = dev.to_device(mask, self.device)
+                    if st is None:  # the isolated path below samples from the masked logits
+                        apply_bitmask(logits, mask)
+                    else:
+                        st.bitmask = mask
+            try:
+                if st is None:
+                    raise _PrepareFailed
+                tokens, accepted, logprobs = sampler.sample(logits, rows, st)
+            except Exception as e:
+                _reraise_fatal(e)
+                tokens, accepted, logprobs, failed = sample_isolated(sampler, logits, batch.groups)
         # The step's one device->host copy, waited for in `collect`.
         host, wait = dev.copy_to_host_async(tokens if accepted is None
                                             else torch.stack([tokens, accepted.long()]))
         row_of = {r.request_id: i for i, (r, _) in enumerate(batch.groups)}
-        return InFlight(batch.groups, tokens, accepted is not None, host, wait, logprobs, row_of)
+        return InFlight(batch.groups, tokens, accepted is not None, host, wait, logprobs, row_of,
+                        failed)
 
     @staticmethod
     def collect(f: InFlight | None) -> tuple[list[Request], list[list[int]], list[list[Logprobs | None]]]:
@@ -203,3 +221,41 @@ class InFlight:
     wait: Callable[[], None]
     logprobs: list[Logprobs | None]
     row_of: dict[str, int]  # request id -> its row in `tokens` (no drafts in async mode)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling raised
+
+
+class _PrepareFailed(Exception):
+    """The batch's sampling tensors could not be built: sample each request alone."""
+
+
+def _reraise_fatal(e: Exception) -> None:
+    """Errors that leave the device's state unknown stop the engine; the rest are one
+    request's (a value the validation let through): that request fails, the step goes on."""
+    msg = str(e)
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "CUDA error" in msg \
+            or "device-side assert" in msg:
+        raise e
+
+
+def sample_isolated(sampler: Sampler, logits: torch.Tensor, groups: list[Group]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, list[Logprobs | None], dict[str, str]]:
+    """The batch's sampling raised: sample each request's rows alone, so only the requests that
+    raise again fail. Their rows emit token 0 (never read: the engine finishes them first)."""
+    toks, accs, lps, failed = [], [], [], {}
+    r = 0
+    for req, drafts in groups:
+        n = len(drafts) + 1
+        rows = expand([(req, drafts)])
+        try:
+            st = sampler.prepare(rows, logits.device)
+            t, a, lp = sampler.sample(logits[r:r + n], rows, st)
+        except Exception as e:
+            _reraise_fatal(e)
+            failed[req.request_id] = f"{type(e).__name__}: {e}"
+            t, a, lp = torch.zeros(n, dtype=torch.int64, device=logits.device), None, [None] * n
+        toks.append(t)
+        accs.append(torch.zeros(n, dtype=torch.bool, device=logits.device) if a is None else a)
+        lps.extend(lp)
+        r += n
+    has_drafts = any(d for _, d in groups)
+    return torch.cat(toks), torch.cat(accs) if has_drafts else None, lps, failed

@@ -14,10 +14,11 @@ from flatserve.engine.kv_manager import KVCacheManager
 from flatserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flatserve.engine.request import Request, RequestStatus
 from flatserve.engine.sampler import Logprobs, Sampler
-from flatserve.engine.sampling_params import SamplingParams
+from flatserve.engine.sampling_params import SEED_MOD, ParamError, SamplingParams, check_text
 from flatserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flatserve.engine.startup import EngineState, start_up
 from flatserve.engine.structured import GrammarCache
+from flatserve.memory import RamWatch
 from flatserve.runner import InFlight
 from flatserve.spec import Proposer, SpecStats
 
@@ -83,26 +84,30 @@ class Engine:
         self._history_readers: set[str] = set()  # live parents with penalties (sync steps)
         self.grammars = GrammarCache(self.tokenizer, s.model.vocab_size, sorted(s.eos_token_ids))
         self._awaiting: list[Request] = []  # constrained requests whose grammar is compiling
+        self.ram_watch = _ram_watch(s)
+        self._ram_warned = 0
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise ParamError("prompt is empty", "prompt")
+            check_text(prompt, "prompt")
             return prompt, self.tokenizer(prompt).input_ids
         ids = list(prompt)
         if not ids:
-            raise ValueError("prompt is empty")
+            raise ParamError("prompt is empty", "prompt")
         V = self.state.model.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < V]
+        bad = [t for t in ids if type(t) is not int or not 0 <= t < V]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {V})")
+            raise ParamError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {V})", "prompt")
         return None, ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
         """Validate and queue; raises ValueError naming the bad value and its limit."""
         params.validate()
+        params.check_vocab(self.state.model.vocab_size)
         text, ids = self.tokenize(prompt)
         max_len = self.state.max_model_len
         if len(ids) >= max_len:
@@ -117,7 +122,7 @@ class Engine:
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:  # distinct, reproducible samples
-                child_params = _with_seed(params, params.seed + i)
+                child_params = _with_seed(params, (params.seed + i) % SEED_MOD)
             req = Request(f"{rid}#{i}" if params.n > 1 else rid, ids, child_params, max_tokens)
             child = _Child(req, IncrementalDetokenizer(
                 self.tokenizer, ids, params.stop_strings, params.skip_special_tokens,
@@ -201,6 +206,8 @@ class Engine:
             # Penalties read every earlier output on the host: drain, then step synchronously.
             self._inflight = None
             return self._finish_step(*prev, emit_unfinished)
+        if self.ram_watch is not None:
+            self._watch_ram()
         results: list[RequestOutput] = self._admit(wait=prev is None and not self.scheduler.requests)
         out = self.scheduler.schedule()
         launched = None
@@ -226,10 +233,33 @@ class Engine:
                 results.extend(self._finish_step(out, launched, emit_unfinished))
         return results
 
+    def _watch_ram(self) -> None:
+        """Shared RAM under the free floor: no new KV pages, except what the oldest request needs
+        to finish (the plan guarantees one full sequence fits), so that it always goes on; the
+        scheduler preempts newer requests for it or leaves them queued."""
+        w, pool = self.ram_watch, self.kv.pool
+        if not w.frozen_now(time.monotonic()):
+            pool.limit_growth(None)
+            return
+        sched = self.scheduler
+        live = sched.running + list(itertools.islice(sched.waiting, 1))
+        need = 0
+        if live:
+            r = min(live, key=lambda q: q.arrival)
+            need = -(-min(r.num_prompt_tokens + r.max_tokens, self.state.max_model_len)
+                     // self.cfg.block_size)
+        pool.limit_growth(need)
+        if w.num_freezes > self._ram_warned:  # once per episode of low RAM
+            self._ram_warned = w.num_freezes
+            log.warning("available RAM is under %.1f GiB: the KV pool stops growing "
+                        "at %d blocks", w.reserve / 2**30, pool.fresh_next - 1)
+
     def _finish_step(self, out: SchedulerOutput, launched: InFlight | None,
                      emit_unfinished: bool) -> list[RequestOutput]:
         """Read a launched step's tokens; scheduler update, detokenize, stop strings, outputs."""
         reqs, tokens, logprobs = self.runner.collect(launched)
+        # Requests whose own sampling raised end here, before `update` could append a token.
+        results = self._fail(launched.failed) if launched is not None and launched.failed else []
         out_spec = {s.request.request_id: len(s.spec_token_ids) for s in out.scheduled if s.spec_token_ids}
         before = {r.request_id: r.num_tokens for r in reqs}
         self.scheduler.update(out, {r.request_id: t for r, t in zip(reqs, tokens)})
@@ -243,22 +273,27 @@ class Engine:
             # The scheduler appended tokens up to an eos/length stop; a stop string may cut earlier.
             start = before[req.request_id]
             n = req.num_tokens - start
-            for i, (tok, lp) in enumerate(zip(toks[:n], lps)):
-                ended = self._absorb(child, tok, lp)
-                if req.grammar is not None and not req.grammar.accept(tok) and not ended:
-                    ended = True  # the grammar is complete (its stop token) or refused the token
-                    if not req.status.finished:
-                        self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-                if ended:
-                    del req.token_ids[start + i + 1:]
-                    break
+            try:
+                for i, (tok, lp) in enumerate(zip(toks[:n], lps)):
+                    ended = self._absorb(child, tok, lp)
+                    if req.grammar is not None and not req.grammar.accept(tok) and not ended:
+                        ended = True  # the grammar is complete (its stop token) or refused the token
+                        if not req.status.finished:
+                            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+                    if ended:
+                        del req.token_ids[start + i + 1:]
+                        break
+            except Exception as e:  # one request's detokenizer or stop check: it alone fails
+                results += self._fail({req.request_id: f"{type(e).__name__}: {e}"})
+                continue
             touched[parent.request_id] = parent
         if self.proposer is not None:
             self.proposer.propose([r for r in self.scheduler.running
                                    if r.num_computed_tokens == r.num_tokens - 1])
-        results = []
         now = time.monotonic()  # one clock read per step: when these tokens reached the host
         for parent in touched.values():
+            if self.parents.get(parent.request_id) is not parent:
+                continue  # failed above (another of its n samples)
             done = parent.finished
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
@@ -275,6 +310,25 @@ class Engine:
         self._history_readers.discard(parent.request_id)
         for c in parent.children:
             self.children.pop(c.req.request_id, None)
+
+    def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """End each failed child's whole request (all n samples) with an error; free its KV."""
+        outs = []
+        for rid, why in failed.items():
+            entry = self.children.get(rid)
+            if entry is None:
+                continue  # already gone (aborted, or failed in an earlier step's report)
+            parent = entry[0]
+            log.warning("request %s failed: %s", parent.request_id, why)
+            for c in parent.children:
+                if not c.req.status.finished:
+                    self.scheduler.finish(c.req.request_id, RequestStatus.FINISHED_ABORTED)
+            self._drop(parent)
+            parent.metrics.finished_time = time.monotonic()
+            out = self._output(parent)
+            out.error = why
+            outs.append(out)
+        return outs
 
     def _absorb(self, child: _Child, tok: int, lp: Logprobs | None) -> bool:
         """Take one output token; True when a stop string ended the request on it."""
@@ -327,6 +381,15 @@ class Engine:
                 "spec_draft_tokens": self.spec.num_draft_tokens,
                 "spec_accepted_tokens": self.spec.num_accepted_tokens,
                 "spec_verify_steps": self.spec.num_groups}
+
+
+def _ram_watch(s: EngineState) -> RamWatch | None:
+    """CPU pools map pages as blocks are first written: watch the RAM they come from."""
+    if s.device.type != "cpu" or not s.budget.unified or not s.budget.free_floor:
+        return None
+    import psutil
+
+    return RamWatch(s.budget.free_floor, lambda: psutil.virtual_memory().available)
 
 
 def resolve_async(cfg: EngineConfig, device_type: str) -> bool:

@@ -46,6 +46,10 @@ class BlockPool:
         self.blocks[NULL_BLOCK].ref_cnt = 1  # never freed, never handed out
         self.spare: list[int] = []
         self.fresh_next = NULL_BLOCK + 1
+        # Fresh ids below this may be taken. Shared memory running low (memory.RamWatch) sets it
+        # near fresh_next: the pool stops mapping new pages and reuses what it holds, so the
+        # scheduler queues or preempts instead of pushing the machine into swap.
+        self.fresh_limit = num_blocks
         self.free: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[int, int] = {}  # block_hash -> block_id
         self.enable_caching = enable_caching
@@ -55,6 +59,18 @@ class BlockPool:
         return len(self.spare) + len(self.blocks) - self.fresh_next + len(self.free)
 
     @property
+    def num_takeable(self) -> int:
+        """Free blocks that may be handed out now (num_free less fresh ones while frozen)."""
+        fresh = max(0, min(self.fresh_limit, len(self.blocks)) - self.fresh_next)
+        return len(self.spare) + fresh + len(self.free)
+
+    def limit_growth(self, num_blocks: int | None) -> None:
+        """None: the whole pool may be used. Else no fresh block past the first `num_blocks`
+        usable ones (or past those already handed out, whichever is more)."""
+        n = len(self.blocks)
+        self.fresh_limit = n if num_blocks is None else max(self.fresh_next, min(n, num_blocks + 1))
+
+    @property
     def num_usable(self) -> int:
         return len(self.blocks) - 1
 
@@ -62,12 +78,12 @@ class BlockPool:
         return bid >= self.fresh_next or bid in self.free or bid in self.spare
 
     def take(self, n: int) -> list[int]:
-        assert n <= self.num_free, "caller checks capacity first"
+        assert n <= self.num_takeable, "caller checks capacity first"
         out = []
         for _ in range(n):
             if self.spare:
                 bid = self.spare.pop()
-            elif self.fresh_next < len(self.blocks):
+            elif self.fresh_next < self.fresh_limit:
                 bid, self.fresh_next = self.fresh_next, self.fresh_next + 1
             else:
                 bid, _ = self.free.popitem(last=False)
@@ -183,7 +199,7 @@ class KVCacheManager:
         num_new_blocks = need - len(held) - len(computed_blocks)
         # Reviving a cached block from the free queue also consumes a free slot.
         revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
-        if num_new_blocks + revived > self.pool.num_free:
+        if num_new_blocks + revived > self.pool.num_takeable:
             return None
         self.pool.touch(computed_blocks)
         blocks = self.req_blocks.setdefault(req.request_id, [])

@@ -58,6 +58,7 @@ class LLM:
         ids = [self._prompt_ids(p) for p in prompts]
         for p in plist:
             p.validate()
+            p.check_vocab(self.engine.state.model.vocab_size)
             if p.structured_outputs is not None:  # compile now: a bad schema fails the call
                 self.engine.grammars.submit(p.structured_outputs).result()
         rids = [self.engine.add_request(i, p) for i, p in zip(ids, plist)]

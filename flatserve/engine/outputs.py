@@ -49,3 +49,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Set when this request failed on its own (its sampling raised); its outputs end "abort".
+    error: str | None = None

@@ -92,6 +92,7 @@ class SamplingTensors:
 # process's peak, which the memory budget then took from the KV cache (benchmarks/offline_cpu.py,
 # ngram at 16 requests: peak RSS 3.92 -> 2.30 GiB).
 CHUNK_BYTES = 64 << 20
+LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) logprob is reported as
 
 
 def _penalised(r: SampleRow) -> bool:
@@ -166,6 +167,9 @@ class Sampler:
             pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, pen, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        # A valid penalty near 0 (1e-300 is 0 in fp32) sends positive logits to +inf, and the
+        # softmax's inf - inf is NaN: cap them at fp32's largest (-inf stays: masked tokens).
+        row.clamp_(max=torch.finfo(row.dtype).max)
 
     @staticmethod
     def argmax_only(rows: list[SampleRow], st: SamplingTensors) -> bool:
@@ -250,6 +254,9 @@ class Sampler:
         k = max(n or 0 for n in st.num_logprobs)
         top_v, top_i = lp.topk(max(k, 1), dim=-1)
         chosen = lp.gather(1, tokens[:, None])[:, 0]
+        # JSON has no -inf or NaN: a masked token's logprob is reported as vLLM does, -9999.0.
+        top_v = top_v.nan_to_num(nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
+        chosen = chosen.nan_to_num(nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
         top_v, top_i, chosen, toks = top_v.tolist(), top_i.tolist(), chosen.tolist(), tokens.tolist()
         out: list[Logprobs | None] = []
         for i, n in enumerate(st.num_logprobs):

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import logging
 import sys
+import os
+import signal
+import threading
 import time
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -19,11 +22,11 @@ from flatserve.config import EngineConfig
 from flatserve.engine.chat import chat_template
 from flatserve.engine.engine import Engine
 from flatserve.server.async_engine import AsyncEngine
+from flatserve.server.guard import MAX_BODY_BYTES, GuardedH11, GuardMiddleware  # noqa: F401
 from flatserve.server.metrics import Metrics
 from flatserve.server.protocol import ChatRequest, CompletionRequest
 
 log = logging.getLogger("flatserve")
-MAX_BODY_BYTES = 8 * 2**20
 
 
 class APIError(Exception):
@@ -31,6 +34,10 @@ class APIError(Exception):
                  code: str | None = None, type_: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -65,6 +72,7 @@ class ServerState:
         self.model_name = cfg.served_model_name or _default_name(cfg)
         self.api_key = api_key
         self.created = int(time.time())
+        self.draining = False  # SIGTERM/SIGINT received: new generation requests get 503
         self.template, self.eot = chat_template(engine.tokenizer, engine.state.model.architecture,
                                                 cfg.chat_template)
         b = engine.state.budget
@@ -74,40 +82,19 @@ class ServerState:
         self.metrics.update(engine.stats())
 
 
+    def refusal(self) -> str | None:
+        """Why a new generation request gets 503 now, or None to take it."""
+        if self.async_engine.error is not None:
+            return "the engine has stopped after an internal error; the server is restarting"
+        if self.draining:
+            return "the server is shutting down and takes no new requests"
+        return None
+
+
 def _default_name(cfg: EngineConfig) -> str:
     from pathlib import Path
 
     return Path(cfg.model).name if cfg.model else "gemma-3-270m-q4_k_m"
-
-
-class GuardMiddleware:
-    """Auth (constant-time key compare) and the body-size limit, as plain ASGI.
-
-    Not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hides client disconnects
-    from `Request.is_disconnected()`, which the non-streaming abort relies on.
-    """
-
-    def __init__(self, app: Any, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        resp: Response | None = None
-        if scope["path"] != "/health" and self.api_key is not None:
-            auth = headers.get("authorization", "")
-            given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                resp = error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                      code="invalid_api_key", type_="authentication_error")
-        size = headers.get("content-length", "")
-        if resp is None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            resp = error_response(413, f"request body of {size} bytes exceeds the limit of "
-                                       f"{MAX_BODY_BYTES} bytes", code="request_too_large")
-        if resp is not None:
-            return await resp(scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -116,7 +103,17 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="flatserve", version=flatserve.__version__)
     app.state.s = state
 
-    app.add_middleware(GuardMiddleware, api_key=state.api_key)
+    app.add_middleware(GuardMiddleware, state=state)
+
+    @app.exception_handler(RecursionError)
+    async def on_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        return error_response(400, "malformed JSON body: nested too deeply")
+
+    @app.exception_handler(Exception)
+    async def on_bug(_: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's shape
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error",
+                              type_="server_error")
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -136,6 +133,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if state.async_engine.error is not None:
             return PlainTextResponse("engine failed", status_code=503)
+        if state.draining:
+            return PlainTextResponse("shutting down", status_code=503)
         return PlainTextResponse("ok")
 
     @app.get("/version")
@@ -169,10 +168,6 @@ _GEMM_NAMES = {"amx": ", AMX linears", "onednn": ", oneDNN linears"}  # start-up
 
 
 def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
-    import signal
-
-    import uvicorn
-
     state = ServerState(cfg, args.api_key)
     app = build_app(state)
     state.async_engine.start()
@@ -186,28 +181,63 @@ def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
           f"{_parallel_note(cfg)}, "
           f"KV {s.budget.num_blocks - 1} blocks = {s.budget.token_capacity} tokens, "
           f"max_model_len {s.max_model_len}, http://{args.host}:{args.port}", flush=True)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # Stop accepting first, then end every in-flight request with a final chunk so that
-            # open streams close and uvicorn's graceful wait ends promptly.
-            state.async_engine.abort_all()
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                   timeout_graceful_shutdown=5))
-    signal.signal(signal.SIGTERM, lambda *a: server.handle_exit(signal.SIGTERM, None))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           http=GuardedH11, timeout_graceful_shutdown=5),
+                            state, getattr(args, "shutdown_timeout", 30.0))
+    state.async_engine.on_fatal = server.engine_stopped
     engines = getattr(state.async_engine, "engines", lambda: [state.engine])()
-    for e in engines:  # a tensor-parallel rank that dies stops the server
+    for e in engines:  # a tensor-parallel rank that dies stops the server (exit 1)
         if e.executor is not None:
-            e.executor.workers.on_fatal = lambda msg: server.handle_exit(signal.SIGTERM, None)
+            e.executor.workers.on_fatal = lambda msg: server.engine_stopped(RuntimeError(msg))
     server.run()
     state.async_engine.shutdown()
     failed = [e.executor.workers.failed for e in engines if e.executor and e.executor.workers.failed]
     if failed:
         print(f"flatserve: error: {failed[0]}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    return server.exit_code
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with an exit that drains: on SIGTERM or SIGINT new generation requests
+    (and /health) get 503, in-flight requests run on for up to `shutdown_timeout` seconds, the
+    rest then end with finish_reason "abort", and the process exits 0. A second SIGINT exits at
+    once. An engine that stops on an error makes it exit 1, so that a supervisor restarts it."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state, self.shutdown_timeout = state, shutdown_timeout
+        self.exit_code = 0
+        self._drain: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._drain is not None:
+            if sig == signal.SIGINT:
+                os._exit(130)  # the second Ctrl-C: now, no drain
+            return
+        # Not uvicorn's handle_exit: it stops the listener at once, and re-raises the signal
+        # after the run (SIGTERM's default action would make the exit code -15).
+        log.info("shutting down: draining %d request(s) for up to %gs",
+                 self.state.async_engine.num_in_flight, self.shutdown_timeout)
+        self.state.draining = True
+        self._drain = threading.Thread(target=self._drain_then_exit, name="flatserve-drain",
+                                       daemon=True)
+        self._drain.start()
+
+    def _drain_then_exit(self) -> None:
+        eng = self.state.async_engine
+        deadline = time.monotonic() + self.shutdown_timeout
+        while eng.num_in_flight and time.monotonic() < deadline and eng.error is None:
+            time.sleep(0.05)
+        eng.close()  # what still runs ends with finish_reason "abort"; later submits get 503
+        deadline = time.monotonic() + 5  # the aborted requests' final chunks go out
+        while eng.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
+
+    def engine_stopped(self, e: BaseException) -> None:
+        self.exit_code = 1
+        self.should_exit = True
 
 
 def _parallel_note(cfg: EngineConfig) -> str:

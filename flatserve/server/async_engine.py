@@ -53,6 +53,10 @@ class AsyncEngine:
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self.error: BaseException | None = None
+        # Called on the engine thread once the engine has stopped on an error (the server then
+        # exits non-zero so that a supervisor restarts it).
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.closed = False
         self._thread = threading.Thread(target=self._main, args=(build,), name="flatserve-engine",
                                         daemon=True)
         self._thread.start()
@@ -75,19 +79,37 @@ class AsyncEngine:
         self._loop()
 
     # ---------------------------------------------------------------- handler side
+    @property
+    def num_in_flight(self) -> int:
+        """Requests with a live stream (submitted, not yet finished or aborted)."""
+        return len(self._streams)
+
     async def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+        if self.error is not None:
+            raise EngineStopped(self.error)
+        if self.closed:
+            raise Unavailable("the server is shutting down and takes no new requests")
         rid = f"req-{self.name}{next(self._ids)}"
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         q: asyncio.Queue = asyncio.Queue()
         self._cmds.put(("add", rid, prompt_ids, params, _Stream(loop, q), fut))
-        await fut  # raises the engine's ValueError, if any
+        while not fut.done():  # an engine that stops between the check above and now: no hang
+            await asyncio.wait({fut}, timeout=0.5)
+            if self.error is not None and not fut.done():
+                raise EngineStopped(self.error)
+        fut.result()  # raises the engine's ValueError, if any
         return rid, q
 
     def abort(self, rid: str) -> None:
         self._cmds.put(("abort", rid))
 
     def abort_all(self) -> None:
+        self._cmds.put(("abort_all",))
+
+    def close(self) -> None:
+        """Shutdown: refuse later submits, end every running request with "abort"."""
+        self.closed = True
         self._cmds.put(("abort_all",))
 
     def shutdown(self) -> None:
@@ -108,11 +130,25 @@ class AsyncEngine:
                     for out in outs:
                         self._deliver(out)
                     self.metrics.update(self.engine.stats())
-        except BaseException as e:  # a bug: fail every stream instead of hanging them
-            log.exception("engine loop crashed")
+        except BaseException as e:  # state unknown (device fault, OOM, a bug): stop for good
+            log.exception("engine stopped")
             self.error = e
-            for rid in list(self._streams):
-                self._fail(rid, e)
+            self._fail_everything(EngineStopped(e))
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+
+    def _fail_everything(self, e: BaseException) -> None:
+        """Every live stream and every queued submission gets `e` now: none waits on a dead loop."""
+        for rid in list(self._streams):
+            self._fail(rid, e)
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                stream, fut = cmd[4], cmd[5]
+                stream.loop.call_soon_threadsafe(_set_exc, fut, e)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -169,6 +205,18 @@ class AsyncEngine:
     def _fail(self, rid: str, e: BaseException) -> None:
         stream = self._streams.pop(rid)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+
+
+class Unavailable(RuntimeError):
+    """No request can be taken now (shutting down, or the engine has stopped): HTTP 503."""
+
+
+class EngineStopped(Unavailable):
+    """The engine thread has stopped on an error; the server answers 503 until it exits."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the engine has stopped after an internal error "
+                         f"({type(cause).__name__}: {cause}); the server is shutting down")
 
 
 def _set_result(fut: asyncio.Future, v: object) -> None:

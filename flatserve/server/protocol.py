@@ -71,8 +71,10 @@ class _Sampling(BaseModel):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for k, b in (v or {}).items():
-            if not k.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            # ASCII digits only ("²".isdigit() is True, int("²") raises), and short: int() of a
+            # 5,000-digit key raises too. The vocabulary bound is the engine's check.
+            if not (k.isascii() and k.isdigit() and len(k) <= 18):
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k[:40]!r}")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
         return v

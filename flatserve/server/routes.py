@@ -13,18 +13,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from flatserve.engine.chat import render
 from flatserve.engine.outputs import CompletionOutput, RequestOutput
 from flatserve.engine.sampling_params import SamplingParams, StructuredOutputs
+from flatserve.server.async_engine import Unavailable
 from flatserve.server.protocol import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling
 from flatserve.server.tools import (ToolStreamer, forced_spec, parse_auto, parse_forced,
                                     template_formats, template_messages)
+from flatserve.server.validate import check_strings, failed_request, off_loop
+
+MAX_PROMPTS = 256  # a batch of prompts is that many engine requests (times n)
 
 if TYPE_CHECKING:
     from flatserve.server.app import ServerState
 
 
-def _err(status: int, msg: str, param: str | None = None, code: str | None = None) -> Exception:
+def _err(status: int, msg: str, param: str | None = None, code: str | None = None,
+         type_: str = "invalid_request_error") -> Exception:
     from flatserve.server.app import APIError
 
-    return APIError(status, msg, param, code)
+    return APIError(status, msg, param, code, type_)
 
 
 def _check_model(state: ServerState, req: _Sampling) -> None:
@@ -86,7 +91,7 @@ def _params(req: _Sampling, max_tokens: int, logprobs: int | None,
             stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             structured_outputs=structured)
     except ValueError as e:
-        raise _err(400, str(e)) from None
+        raise _err(400, str(e), getattr(e, "param", None)) from None
 
 
 def _check_len(state: ServerState, ids: list[int], max_tokens: int | None, what: str) -> int:
@@ -104,7 +109,7 @@ def _check_len(state: ServerState, ids: list[int], max_tokens: int | None, what:
 def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
     try:
         return state.engine.tokenize(prompt)[1]
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise _err(400, str(e), "prompt") from None
 
 
@@ -116,6 +121,8 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
         raise _err(400, "prompt is empty", "prompt")
     if all(isinstance(x, int) for x in p):
         return [p]  # type: ignore[list-item]
+    if len(p) > MAX_PROMPTS:
+        raise _err(400, f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
     return list(p)  # type: ignore[arg-type]
 
 
@@ -125,33 +132,41 @@ async def _submit_all(state: ServerState, jobs: list[tuple[list[int], SamplingPa
     try:
         for ids, params in jobs:
             subs.append(await state.async_engine.submit(ids, params))
-    except ValueError as e:
+    except (ValueError, Unavailable) as e:
         for rid, _ in subs:
             state.async_engine.abort(rid)
-        raise _err(400, str(e)) from None
+        if isinstance(e, Unavailable):
+            raise _err(503, str(e), None, "service_unavailable", "server_error") from None
+        raise _err(400, str(e), getattr(e, "param", None)) from None
     return subs
 
 
 async def _next(q: asyncio.Queue) -> RequestOutput | None:
     item = await q.get()
+    if isinstance(item, Unavailable):
+        raise _err(503, str(item), None, "service_unavailable", "server_error")
     if isinstance(item, BaseException):
-        raise _err(500, f"engine failed: {item}")
+        raise _err(500, f"engine failed: {item}", None, "internal_error", "server_error")
+    if item is not None and item.error is not None:
+        raise failed_request(item.error)
     return item
 
 
-async def _collect(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Request
-                   ) -> list[RequestOutput | None]:
+async def _collect(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Request,
+                   n: int) -> list[RequestOutput | None]:
     """Wait for every sub-request; a client that goes away aborts them all at once."""
 
-    async def one(q: asyncio.Queue) -> RequestOutput | None:
+    async def one(q: asyncio.Queue, n: int) -> RequestOutput | None:
         last = None
         while True:
             out = await _next(q)
-            if out is None or out.finished:
-                return out if out is not None else last
+            if out is None:  # aborted (shutdown): what it has so far, marked "abort"
+                return _mark_aborted(last, n)
+            if out.finished:
+                return out
             last = out
 
-    waiter = asyncio.gather(*(one(q) for _, q in subs))
+    waiter = asyncio.gather(*(one(q, n) for _, q in subs))
     while not waiter.done():
         if await raw.is_disconnected():
             for rid, _ in subs:
@@ -159,7 +174,12 @@ async def _collect(state: ServerState, subs: list[tuple[str, asyncio.Queue]], ra
             waiter.cancel()
             return []
         await asyncio.wait({waiter}, timeout=0.1)
-    return waiter.result()
+    try:
+        return waiter.result()
+    except BaseException:  # one prompt of several failed: the others stop too
+        for rid, _ in subs:
+            state.async_engine.abort(rid)
+        raise
 
 
 def _usage(prompt_lens: list[int], outs: list[RequestOutput | None]) -> dict[str, int]:
@@ -197,11 +217,12 @@ def _chat_logprobs(c: CompletionOutput, start: int) -> dict | None:
 
 
 async def completions(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+    check_strings(req)
     _check_model(state, req)
     if req.echo and req.logprobs is not None:
         raise _err(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
     prompts = _prompts(req)
-    ids = [_tokenize(state, p) for p in prompts]
+    ids = await off_loop(lambda: [_tokenize(state, p) for p in prompts])
     spec = _structured(req)
     jobs = [(i, _params(req, _check_len(state, i, req.max_tokens, "prompt"), req.logprobs, None, spec))
             for i in ids]
@@ -218,7 +239,7 @@ async def completions(state: ServerState, req: CompletionRequest, raw: Request) 
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     if req.stream:
         return _stream(state, subs, raw, base, [len(i) for i in ids], req, choice, echo)
-    outs = await _collect(state, subs, raw)
+    outs = await _collect(state, subs, raw, req.n)
     choices = [choice(k, c, echo[k] + c.text, 0) for k, o in enumerate(outs) if o for c in o.outputs]
     return JSONResponse({**base, "choices": choices, "usage": _usage([len(i) for i in ids], outs)})
 
@@ -278,6 +299,7 @@ def _message(c: CompletionOutput, mode: str | None, formats: list[str], names: s
 
 
 async def chat(state: ServerState, req: ChatRequest, raw: Request) -> Response:
+    check_strings(req)
     _check_model(state, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise _err(400, "top_logprobs requires logprobs=true", "top_logprobs")
@@ -285,7 +307,8 @@ async def chat(state: ServerState, req: ChatRequest, raw: Request) -> Response:
     spec = _structured(req, tool_spec)
     tools = [t.model_dump() for t in req.tools] if req.tools and req.tool_choice != "none" else None
     try:
-        ids = render(state.engine.tokenizer, state.template, _messages(req), tools=tools)
+        msgs = _messages(req)
+        ids = await off_loop(lambda: render(state.engine.tokenizer, state.template, msgs, tools=tools))
     except ValueError as e:
         raise _err(400, str(e), "messages") from None
     except Exception as e:  # jinja raises its own errors for templates that reject a conversation
@@ -317,7 +340,7 @@ async def chat(state: ServerState, req: ChatRequest, raw: Request) -> Response:
                     for i, d in enumerate(deltas)]
 
         return _stream(state, subs, raw, base, [len(ids)], req, delta, [""], role_first=True)
-    outs = await _collect(state, subs, raw)
+    outs = await _collect(state, subs, raw, req.n)
     choices = []
     for o in outs:
         for c in o.outputs if o else ():
@@ -330,7 +353,7 @@ async def chat(state: ServerState, req: ChatRequest, raw: Request) -> Response:
 def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Request, base: dict,
             prompt_lens: list[int], req: _Sampling, make: Callable[..., dict], echo: list[str],
             role_first: bool = False) -> StreamingResponse:
-    from flatserve.server.app import dumps
+    from flatserve.server.app import APIError, dumps
 
     async def events() -> AsyncIterator[str]:
         sent_text: dict[tuple[int, int], int] = {}
@@ -353,7 +376,14 @@ def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Requ
                 done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
                 for fut in done:
                     k = getters.pop(fut)
-                    out = fut.result()
+                    try:
+                        out = fut.result()
+                    except APIError as e:  # headers are out: the error goes as an event
+                        for g in getters:
+                            g.cancel()
+                        yield "data: " + dumps(e.body()) + "\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
                     if out is None:  # aborted (shutdown): close its choices with a final chunk
                         for i in range(req.n):
                             made = _aborted(make, k, i)
@@ -380,6 +410,18 @@ def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Requ
                 state.async_engine.abort(rid)
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _mark_aborted(last: RequestOutput | None, n: int) -> RequestOutput:
+    """A non-streaming request ended by shutdown: never a 200 with finish_reason null."""
+    if last is None:
+        return RequestOutput("", None, [], [CompletionOutput(i, "", [], finish_reason="abort")
+                                            for i in range(n)], True)
+    for c in last.outputs:
+        if c.finish_reason is None:
+            c.finish_reason = "abort"
+    last.finished = True
+    return last
 
 
 def _aborted(make: Callable[..., Any], k: int, i: int) -> Any:

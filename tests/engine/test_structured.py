@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from flatserve.engine.request import Request  # noqa: E402
-from flatserve.engine.sampler import Sampler, SampleRow, expand  # noqa: E402
+from flatserve.engine.sampler import Sampler, expand  # noqa: E402
 from flatserve.engine.sampling_params import SamplingParams, StructuredOutputs  # noqa: E402
 from flatserve.engine.structured import GrammarCache, apply_bitmask, fill_bitmask  # noqa: E402
 

@@ -225,7 +225,8 @@ def test_auth_and_open_routes(server) -> None:
 def test_sigterm_mid_stream_ends_streams_and_exits_zero(default_model_path) -> None:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port),
-                             "--kv-cache-memory", "128MiB", "--max-model-len", "512"],
+                             "--kv-cache-memory", "128MiB", "--max-model-len", "512",
+                             "--shutdown-timeout", "0"],  # no drain: abort at once
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
