@@ -161,7 +161,7 @@ def test_act_and_mul(impl, dtype, act, inter) -> None:
     _close(act_and_mul(x, act), ref, dtype)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "phi3", "smollm3", "granite", "gemma2"])
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
 def test_fused_model_matches_unfused(backend, family, tmp_path) -> None:
     """The residual wiring and every op in a whole model: fp32 first-token logprobs of ragged

@@ -55,7 +55,7 @@ def _assert_greedy_equal(hf, prompt: list[int], ours: list[int], ref: list[int])
         return
     k = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + ref[:k]])).logits[0, -1]
+        logits = hf(torch.tensor([prompt + ref[:k]], device=hf.device)).logits[0, -1]
     top2 = logits.topk(2).values
     gap = (top2[0] - top2[1]).item()
     assert gap < NEAR_TIE, f"diverged at output {k} where the reference margin is {gap:.2e}"
@@ -63,7 +63,7 @@ def _assert_greedy_equal(hf, prompt: list[int], ours: list[int], ref: list[int])
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+        out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=n, min_new_tokens=n,
                           do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
