@@ -4,7 +4,9 @@ transformers reads no config for `granite` or `smollm3` files, and for `qwen2`, 
 `gemma2` it drops what flatserve needs (Gemma 2's soft-caps and window, Phi-3's partial rotary
 and LongRoPE factors), so these architectures are read here, key by key as llama.cpp's converter
 writes them. What llama.cpp itself hard-codes rather than stores is hard-coded the same way
-(SmolLM3's NoPE every 4th layer, Gemma 2's alternating window and query scale).
+(SmolLM3's NoPE every 4th layer, Gemma 2's alternating window and query scale). A `llama`
+file with `llama.attention.sliding_window` is read here as a windowed Mistral (transformers'
+llama reader drops the window); other `llama` files go to transformers as before.
 """
 from __future__ import annotations
 
@@ -54,9 +56,12 @@ def hf_config(path: Path) -> Any | None:
     reader = gguf.GGUFReader(str(path))
     kv = read_fields(reader)
     arch = kv["general.architecture"]
-    if arch not in ARCHS:
-        return None
-    cls_name, hf_arch = ARCHS[arch]
+    if arch == "llama" and "llama.attention.sliding_window" in kv:
+        cls_name, hf_arch = "MistralConfig", "MistralForCausalLM"  # a windowed Mistral
+    elif arch not in ARCHS:
+        return None  # transformers' reader (Llama, Qwen3, Gemma 3)
+    else:
+        cls_name, hf_arch = ARCHS[arch]
 
     def get(key: str, default: Any = None) -> Any:
         return kv.get(f"{arch}.{key}", default)
@@ -78,7 +83,9 @@ def hf_config(path: Path) -> Any | None:
         bos_token_id=kv.get("tokenizer.ggml.bos_token_id"), eos_token_id=kv.get("tokenizer.ggml.eos_token_id"),
         architectures=[hf_arch])
     window = get("attention.sliding_window")
-    if arch == "phi3":
+    if hf_arch == "MistralForCausalLM":
+        c["sliding_window"] = window
+    elif arch == "phi3":
         _phi3(reader, get, rope, c)
         c["sliding_window"] = window or None
     elif arch == "granite":
