@@ -91,6 +91,7 @@ def _tokenizer(w: Any, tok: Any) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list([t for t, _ in vocab])
+    w.add_token_scores([0.0] * len(vocab))
     w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
     w.add_token_merges([])
     w.add_bos_token_id(tok.bos_token_id)
