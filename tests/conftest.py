@@ -38,7 +38,62 @@ def hf_config(family: str) -> Any:
                                 layer_types=["sliding_attention", "sliding_attention",
                                              "full_attention", "sliding_attention"],
                                 architectures=["Gemma3ForCausalLM"])
+    return dense_config(family, common)
+
+
+# The families of issue #32, each with what sets it apart switched on at a tiny size. Head sizes
+# vary (32, 48, 64) and softcaps are small enough to bend random-weight scores.
+DENSE_FAMILIES = ("mistral", "mistral-nowindow", "qwen2", "phi3", "phi3-longrope", "smollm3",
+                  "granite", "gemma2")
+
+
+def dense_config(family: str, common: dict) -> Any:
+    from transformers import (Gemma2Config, GraniteConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              SmolLM3Config)
+
+    c = dict(common)
+    if family in ("mistral", "mistral-nowindow"):
+        return MistralConfig(**c, sliding_window=64 if family == "mistral" else None,
+                             tie_word_embeddings=False, architectures=["MistralForCausalLM"])
+    if family == "qwen2":
+        return Qwen2Config(**c, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+    if family in ("phi3", "phi3-longrope"):
+        c.update(hidden_size=192, head_dim=48, num_attention_heads=4, num_key_value_heads=2)
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+        if family == "phi3-longrope":  # 36 rotary dims: 18 factors each
+            g = __import__("torch").Generator().manual_seed(1)
+            rnd = lambda lo, hi: [lo + (hi - lo) * float(x) for x in __import__("torch").rand(18, generator=g)]
+            rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                    "short_factor": rnd(1.0, 1.2), "long_factor": rnd(1.0, 8.0),
+                    "original_max_position_embeddings": 128}
+        return Phi3Config(**c, rope_parameters=rope, original_max_position_embeddings=128,
+                          tie_word_embeddings=False, architectures=["Phi3ForCausalLM"])
+    if family == "smollm3":
+        return SmolLM3Config(**c, no_rope_layer_interval=4, tie_word_embeddings=True,
+                             architectures=["SmolLM3ForCausalLM"])
+    if family == "granite":
+        c.update(head_dim=64, num_attention_heads=2, num_key_value_heads=1)
+        return GraniteConfig(**c, embedding_multiplier=12.0, residual_multiplier=0.22,
+                             attention_multiplier=0.05, logits_scaling=4.0,
+                             tie_word_embeddings=True, architectures=["GraniteForCausalLM"])
+    if family == "gemma2":
+        return Gemma2Config(**c, sliding_window=64, query_pre_attn_scalar=24,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=20.0,
+                            layer_types=["sliding_attention", "full_attention"] * 2,
+                            architectures=["Gemma2ForCausalLM"])
     raise ValueError(family)
+
+
+def _perturb(model: Any, seed: int) -> None:
+    """HF initialises biases to 0 and norm weights to 1 (Gemma: 0): give them random values too,
+    so that a dropped bias or a wrong norm offset shows."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
 
 def build_checkpoint(family: str, root: Path, seed: int = 0) -> tuple[Path, Any]:
@@ -49,13 +104,15 @@ def build_checkpoint(family: str, root: Path, seed: int = 0) -> tuple[Path, Any]
     cfg = hf_config(family)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     model.eval()
+    if family in DENSE_FAMILIES:
+        _perturb(model, seed)
     path = root / family
     model.save_pretrained(path)
     _tokenizer().save_pretrained(path)
     return path, model
 
 
-@pytest.fixture(scope="session", params=["qwen3", "llama", "gemma3"])
+@pytest.fixture(scope="session", params=["qwen3", "llama", "gemma3", *DENSE_FAMILIES])
 def tiny_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                     ) -> tuple[str, Path, Any]:
     path, model = build_checkpoint(request.param, tmp_path_factory.mktemp("ckpt"))

@@ -2,6 +2,7 @@
 the C++ ones on the CPU (each implementation skipped where it cannot run)."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -24,11 +25,13 @@ def _cpu_ops_built() -> bool:
 def impl(request):
     """-> (the ops module, its device)."""
     if request.param == "triton":
-        if not torch.cuda.is_available():
-            pytest.skip("needs CUDA")
+        # TRITON_INTERPRET=1 runs the kernels on CPU tensors (numpy), for checks without a GPU.
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        if not torch.cuda.is_available() and not interp:
+            pytest.skip("needs CUDA (or TRITON_INTERPRET=1)")
         from flatserve.ops import triton_ops
 
-        return triton_ops, "cuda"
+        return triton_ops, "cpu" if interp else "cuda"
     if not _cpu_ops_built():
         pytest.skip("the C++ fused ops did not build here")
     from flatserve.ops import cpu_ops
@@ -69,14 +72,22 @@ def test_rms_norm(impl, dtype, offset, hidden) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,hq,hkv,norm,offset", [
-    (128, 16, 8, True, 0.0), (64, 8, 1, False, 0.0), (256, 4, 1, True, 1.0), (128, 32, 8, False, 0.0),
-    (40, 4, 2, True, 1.0)])  # 40: the CPU ops' scalar path (half a head not 16 lanes)
-def test_qk_norm_rope(impl, dtype, head_dim, hq, hkv, norm, offset) -> None:
+@pytest.mark.parametrize("head_dim,hq,hkv,norm,offset,rot_dim", [
+    (128, 16, 8, True, 0.0, 128), (64, 8, 1, False, 0.0, 64), (256, 4, 1, True, 1.0, 256),
+    (128, 32, 8, False, 0.0, 128),
+    (40, 4, 2, True, 1.0, 40),  # 40: the CPU ops' scalar path (half a head not 16 lanes)
+    (80, 4, 2, True, 0.0, 80), (96, 4, 4, False, 0.0, 96),  # halves 40, 48: padded in Triton
+    (128, 4, 2, True, 0.0, 96), (96, 4, 2, False, 0.0, 72),  # partial rotary (Phi-4-mini: 0.75)
+    (80, 2, 1, True, 1.0, 40)])
+def test_qk_norm_rope(impl, dtype, head_dim, hq, hkv, norm, offset, rot_dim) -> None:
     ops, dev = impl
     qk_norm_rope = ops.qk_norm_rope
+    ok, why = ops.rope_fits(head_dim, rot_dim)
+    if not ok:  # the layer then keeps the torch path (ops.enable); the op itself refuses
+        assert dev == "cpu" and rot_dim != head_dim, why
+        pytest.skip(f"{ops.__name__} does not take it: {why}")
     T = random.randint(1, 200)
-    rot = Rotary(RopeConfig(theta=random.choice([1e4, 1e6])), head_dim).to(dev)
+    rot = Rotary(RopeConfig(theta=random.choice([1e4, 1e6])), rot_dim).to(dev)
     qkv = torch.randn(T, (hq + 2 * hkv) * head_dim, device=dev, dtype=dtype) * 2
     q, k, _ = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1)
     q, k = q.view(T, hq, head_dim), k.view(T, hkv, head_dim)  # views, as in Attention.forward
@@ -150,7 +161,7 @@ def test_act_and_mul(impl, dtype, act, inter) -> None:
     _close(act_and_mul(x, act), ref, dtype)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "phi3", "smollm3", "granite", "gemma2"])
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
 def test_fused_model_matches_unfused(backend, family, tmp_path) -> None:
     """The residual wiring and every op in a whole model: fp32 first-token logprobs of ragged

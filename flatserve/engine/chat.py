@@ -52,8 +52,35 @@ LLAMA3 = _TOOLS + (
     "{%- endfor -%}{%- if add_generation_prompt -%}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}"
 )
-_FAMILY = {"Gemma3ForCausalLM": (GEMMA, "<end_of_turn>"), "Qwen3ForCausalLM": (CHATML, "<|im_end|>"),
-           "LlamaForCausalLM": (LLAMA3, "<|eot_id|>")}
+# Phi-3's documented turn format.
+PHI3 = (
+    "{%- for m in messages -%}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- else -%}{{ eos_token }}{%- endif -%}"
+)
+# Mistral's [INST] format (system text goes before the first user turn).
+MISTRAL = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set msgs = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set msgs = messages -%}{%- endif -%}"
+    "{%- for m in msgs -%}"
+    "{%- if m['role'] == 'user' -%}{{ '[INST] ' + (prefix if loop.first else '') + m['content'] + ' [/INST]' }}"
+    "{%- else -%}{{ ' ' + m['content'] + eos_token }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+# Granite 3's role markers.
+GRANITE = (
+    "{%- for m in messages -%}"
+    "{{ '<|start_of_role|>' + m['role'] + '<|end_of_role|>' + m['content'] + '<|end_of_text|>\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|start_of_role|>assistant<|end_of_role|>' }}"
+    "{%- endif -%}"
+)
+# Used only where the tokenizer ships no template (base checkpoints, some GGUFs).
+_FAMILY = {"Gemma3ForCausalLM": (GEMMA, "<end_of_turn>"), "Gemma2ForCausalLM": (GEMMA, "<end_of_turn>"),
+           "Qwen3ForCausalLM": (CHATML, "<|im_end|>"), "Qwen2ForCausalLM": (CHATML, "<|im_end|>"),
+           "SmolLM3ForCausalLM": (CHATML, "<|im_end|>"), "LlamaForCausalLM": (LLAMA3, "<|eot_id|>"),
+           "MistralForCausalLM": (MISTRAL, "</s>"), "Phi3ForCausalLM": (PHI3, "<|end|>"),
+           "GraniteForCausalLM": (GRANITE, "<|end_of_text|>")}
 
 
 def chat_template(tokenizer: Any, architecture: str, override: str | None) -> tuple[str, int | None]:

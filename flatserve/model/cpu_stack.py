@@ -105,6 +105,10 @@ def _fits(layer: nn.Module, norms: tuple[str | None, ...], ref: nn.Module) -> bo
         return False
     if getattr(a, "sinks", None) is not None or not hasattr(mlp, "gate_up_proj"):
         return False  # sinks and MoE blocks: not kernels the stack calls
+    if getattr(layer, "residual_multiplier", 1.0) != 1.0:
+        return False  # the stack has no Granite multipliers
+    if a.rotary is None or a.rotary.longrope or a.rotary.dim != a.d:
+        return False  # the stack rotates every layer's whole head from positions
     if getattr(layer, "stack_norms", None) != norms:
         return False
     rms = [getattr(layer, n) for n in norms if n] + ([a.q_norm, a.k_norm] if a.qk_norm else [])

@@ -1,5 +1,7 @@
 """Gemma 3 text: sandwich norms with (1 + w) weights, q/k norm, scaled embeddings, gelu-tanh,
-and interleaved sliding-window layers whose rotary base differs from the global layers'."""
+and interleaved sliding-window layers whose rotary base differs from the global layers'.
+Gemma 2 is the same wiring without q/k norm, with attention and final-logit soft-capping
+(both from ModelConfig) and one rotary base."""
 from __future__ import annotations
 
 import torch
@@ -14,10 +16,10 @@ class Gemma3DecoderLayer(nn.Module):
     stack_norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                    "post_feedforward_layernorm")
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool) -> None:
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = Attention(cfg, layer, qk_norm=True, norm_offset=1.0)
+        self.self_attn = Attention(cfg, layer, qk_norm=qk_norm, norm_offset=1.0)
         self.mlp = GatedMLP(H, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(H, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(H, eps, offset=1.0)
@@ -37,10 +39,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = DecoderLayers(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = DecoderLayers(Gemma3DecoderLayer(cfg, i, qk_norm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.embed_scale = cfg.hidden_size ** 0.5
 
@@ -52,10 +54,12 @@ class Gemma3TextModel(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    qk_norm = True  # Gemma 2 has none
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = Gemma3TextModel(cfg)
+        self.model = Gemma3TextModel(cfg, self.qk_norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -67,3 +71,7 @@ class Gemma3ForCausalLM(nn.Module):
         logits = self.lm_head(hidden)  # [S', V]
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    qk_norm = False

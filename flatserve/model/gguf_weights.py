@@ -16,9 +16,10 @@ _COMMON = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_LLAMA = {"ffn_norm": "post_attention_layernorm"}
+_GEMMA = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+          "post_ffw_norm": "post_feedforward_layernorm"}
 _BLOCK_NAMES = {
-    "llama": {"ffn_norm": "post_attention_layernorm"},
-    "qwen3": {"ffn_norm": "post_attention_layernorm"},
     # MoE: the router, and the experts' [E, rows, cols] stacks under names the MoE block maps
     # (model/moe.py, `load_hf_tensor`); GPT-OSS's gate and up arrive already de-interleaved.
     "qwen3moe": {"ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
@@ -27,10 +28,15 @@ _BLOCK_NAMES = {
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
                 "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_exps",
                 "ffn_up_exps": "mlp.experts.up_exps", "ffn_down_exps": "mlp.experts.down_exps"},
-    "gemma3": {"post_attention_norm": "post_attention_layernorm",
-               "ffn_norm": "pre_feedforward_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
+    "llama": _LLAMA, "qwen3": _LLAMA, "qwen2": _LLAMA, "smollm3": _LLAMA, "granite": _LLAMA,
+    # Phi-3: q|k|v in one tensor, and ffn_up holds gate|up (the checkpoint's own packing)
+    "phi3": {**_LLAMA, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": _GEMMA, "gemma2": _GEMMA,
 }
+# llama.cpp's converter permutes q/k rows (LlamaModel and its subclasses) for these.
+_PERMUTED = ("llama", "smollm3", "granite")
+# ... and stores Gemma's (1 + w) norm weights pre-shifted for these.
+_SHIFTED_NORMS = ("gemma3", "gemma2")
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -67,13 +73,13 @@ def iter_gguf_weights(path: Path, n_head: int, n_kv_head: int) -> Iterator[tuple
     for t in reader.tensors:
         hf = _hf_name(arch, t.name)
         if hf is None:
-            continue  # e.g. rope_freqs: recomputed from the config
+            continue  # e.g. rope_freqs, rope_factors_*: read into the config
         if ".experts." in hf or hf.endswith("sinks.weight"):  # stacks and sinks: no ".weight"
             hf = hf.replace(".weight", "").replace(".bias", "_bias")
         w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
-        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, n_head if "q_proj" in hf else n_kv_head)
-        if arch == "gemma3" and hf.endswith("norm.weight"):
+        if arch in _SHIFTED_NORMS and hf.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms pre-shifted
         yield hf, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 

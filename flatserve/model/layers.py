@@ -56,8 +56,11 @@ def norm_then_add_norm(first: RMSNorm, second: RMSNorm, x: torch.Tensor, residua
     return second(first(x), residual)
 
 
-def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+def rope_inv_freq(rope: RopeConfig, dim: int, long: bool = False) -> torch.Tensor:
+    """[dim/2] inverse frequencies; `long` picks LongRoPE's long factors (else its short ones)."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [D/2]
+    if rope.rope_type == "longrope":
+        return inv / torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv / rope.factor
     if rope.rope_type == "llama3":
@@ -92,6 +95,8 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int, inv: torch.Tensor) -> torch.Tenso
 
 def rope_attention_factor(rope: RopeConfig) -> float:
     """The factor on cos and sin (YaRN's 0.1 ln(factor) + 1 unless given); 1 for other ropes."""
+    if rope.rope_type == "longrope":
+        return rope.attention_factor or 1.0  # set from the config (model/config.py)
     if rope.rope_type != "yarn":
         return 1.0
     if rope.attention_factor is not None:
@@ -108,15 +113,22 @@ class RopeTable:
 
 
 class Rotary(nn.Module):
-    """Neox-style (rotate-half) rotary embedding; the cos/sin table grows on demand.
+    """Neox-style (rotate-half) rotary embedding on a head's first `dim` dims (the rest pass
+    through: Phi-4-mini's partial rotary); the cos/sin table grows on demand.
 
     Layers with the same rope and head size share one table (`share_rope_tables`): each held its
     own before, and Gemma 3 270M's 18 layers then kept 18 copies of its two tables, 288 MB at
-    a 4,096-token max_model_len, grown after start-up had planned the memory budget."""
+    a 4,096-token max_model_len, grown after start-up had planned the memory budget.
+
+    LongRoPE (Phi-3): the table holds the short factors' rows for positions 0..P-1, then the long
+    factors' at P..2P-1, both scaled by the attention factor; `index` sends the tokens of a
+    sequence longer than original_max_position to the second half, so that the fused kernels
+    take the same table and an index like any other rope."""
 
     def __init__(self, rope: RopeConfig, dim: int) -> None:
         super().__init__()
         self.rope, self.dim = rope, dim
+        self.longrope = rope.rope_type == "longrope"
         self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
         self.store = RopeTable()
 
@@ -127,28 +139,50 @@ class Rotary(nn.Module):
         self.store.t = None
 
     def table(self, n: int) -> torch.Tensor:
-        """fp32 [2, P, D] cos|sin for positions < P (P >= n; grown lazily to a power of two)."""
+        """fp32 [2, P, D] cos|sin for positions < P (P >= n; grown lazily to a power of two);
+        LongRoPE: [2, 2P, D], short rows then long rows."""
         t = self.store.t
-        if t is None or t.shape[1] < n:
+        if t is None or t.shape[1] >> self.longrope < n:
             self.build(1 << max(10, (n - 1).bit_length()))
         return self.store.t
 
     def build(self, size: int) -> int:
         """The shared table for exactly `size` positions, replacing the old one; -> its bytes."""
         pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        freqs = [pos[:, None] * self.inv_freq[None, :]]  # [P, D/2]
+        if self.longrope:
+            long = rope_inv_freq(self.rope, self.dim, long=True).to(pos.device)
+            freqs.append(pos[:, None] * long[None, :])
+        emb = torch.cat([torch.cat([f, f], dim=-1) for f in freqs])  # [P or 2P, D]
         self.store.t = None  # the old table goes before the new one is built
         self.store.t = torch.stack([emb.cos(), emb.sin()])  # [2, P, D]
         if (af := rope_attention_factor(self.rope)) != 1.0:  # YaRN scales both, as HF does
             self.store.t *= af
         return self.store.t.numel() * 4
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    def index(self, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Table rows for `positions` [T]: the positions themselves, or for LongRoPE + P where
+        the token's sequence is longer than original_max_position this step (transformers'
+        rule: its forward picks the factors by the longest position it is given). Device ops
+        only: the same code runs inside CUDA graphs."""
+        if not self.longrope:
+            return positions
+        P = self.table(meta.max_seq_len + 1).shape[1] // 2
+        T = positions.shape[0]
+        tok = torch.arange(T, device=positions.device, dtype=meta.cu_seqlens_q.dtype)
+        seq = torch.searchsorted(meta.cu_seqlens_q[1:], tok, right=True)  # [T] sequence of each token
+        long = meta.seq_lens[seq.clamp(max=meta.seq_lens.shape[0] - 1)] > self.rope.original_max_position
+        return positions + long.to(positions.dtype) * P
+
+    def forward(self, index: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cs = self.table(max_pos + 1)[:, positions]  # [2, T, D]
-        cos, sin = cs[0, :, None, :].to(q.dtype), cs[1, :, None, :].to(q.dtype)  # [T, 1, D]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cs = self.table(max_pos + 1)[:, index]  # [2, T, R]
+        cos, sin = cs[0, :, None, :].to(q.dtype), cs[1, :, None, :].to(q.dtype)  # [T, 1, R]
+        if self.dim == q.shape[-1]:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        R = self.dim
+        return (torch.cat([_rotate(q[..., :R], cos, sin), q[..., R:]], dim=-1),
+                torch.cat([_rotate(k[..., :R], cos, sin), k[..., R:]], dim=-1))
 
 
 def share_rope_tables(model: nn.Module) -> list[Rotary]:
@@ -157,7 +191,7 @@ def share_rope_tables(model: nn.Module) -> list[Rotary]:
     first: dict[tuple, Rotary] = {}
     for m in model.modules():
         if isinstance(m, Rotary):
-            key = (m.rope, m.dim, str(m.inv_freq.device))
+            key = (m.rope, m.dim, str(m.inv_freq.device))  # rope configs are frozen: hashable
             if key in first:
                 m.store = first[key].store
             else:
@@ -243,13 +277,14 @@ class Attention(nn.Module):
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = PackedLinear(cfg.hidden_size, {
             "q_proj": self.hq * self.d, "k_proj": self.hkv * self.d, "v_proj": self.hkv * self.d,
-        }, cfg.attention_bias)
+        }, cfg.qkv_bias or cfg.attention_bias)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.attention_bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, norm_offset)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, norm_offset)
         self.qk_norm = qk_norm
-        self.rotary = Rotary(cfg.ropes[layer], self.d)
+        rope = cfg.ropes[layer]  # None: a NoPE layer (SmolLM3), nothing rotates
+        self.rotary = None if rope is None else Rotary(rope, cfg.rotary_dim or self.d)
         self.params = LayerAttnParams(cfg.query_scale, cfg.sliding_windows[layer],
                                       cfg.attn_logit_softcap)
         # GPT-OSS: one logit per query head that joins every softmax with no value (HF's name).
@@ -269,11 +304,13 @@ class Attention(nn.Module):
         if self.fused is not None:  # in place on the q/k views of the qkv output
             n = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, bool(self.q_norm.offset)) \
                 if self.qk_norm else (None, None, 0.0, False)
-            self.fused(q, k, positions, self.rotary.table(meta.max_seq_len + 1), *n)
+            self.fused(q, k, self.rotary.index(positions, meta),
+                       self.rotary.table(meta.max_seq_len + 1), *n)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k, meta.max_seq_len)
+            if self.rotary is not None:
+                q, k = self.rotary(self.rotary.index(positions, meta), q, k, meta.max_seq_len)
         assert self.backend is not None and self.kv_cache is not None, "runner binds the KV pool"
         if self.sinks is None:
             o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params)  # [T, Hq, D]

@@ -1,7 +1,9 @@
-"""Llama family (Llama 2/3, with Llama 3 rope scaling); Qwen3 is the same wiring plus q/k norm.
-Qwen3-MoE and GPT-OSS are this wiring too, with flags from their configs: MoE blocks
-(`ModelConfig.moe`), and for GPT-OSS q/k/v/o biases, attention sinks, YaRN rope and
-alternating sliding-window layers."""
+"""Llama wiring, and the families that are Llama plus flags on ModelConfig (registry.py):
+Mistral (a window on every layer), Qwen2 (q/k/v biases), Phi-3 (q|k|v and gate|up already packed
+in the checkpoint, partial rotary, LongRoPE), SmolLM3 (NoPE layers), Granite (embedding, residual,
+attention and logit multipliers). Qwen3 is the same wiring plus q/k norm. Qwen3-MoE and GPT-OSS
+are this wiring too: MoE blocks (`ModelConfig.moe`), and for GPT-OSS q/k/v/o biases, attention
+sinks, YaRN rope and alternating sliding-window layers."""
 from __future__ import annotations
 
 import torch
@@ -22,6 +24,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp_for(cfg, layer)  # GatedMLP, or the MoE block (Qwen3-MoE, GPT-OSS)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: 0.22 on 3.x 8B; else 1
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,8 +34,12 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, positions), residual)
-        return self.mlp(h), residual
+        a = self.self_attn(h, positions)  # [T, H]
+        if self.residual_multiplier != 1.0:
+            a = a * self.residual_multiplier
+        h, residual = self.post_attention_layernorm(a, residual)
+        h = self.mlp(h)
+        return (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h), residual
 
 
 class LlamaModel(nn.Module):
@@ -41,9 +48,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = DecoderLayers(LlamaDecoderLayer(cfg, i, qk_norm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embedding_multiplier = cfg.embedding_multiplier  # Granite: 12 on 3.x; else 1
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, H]
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
         return self.norm(*self.layers(h, None, positions))[0]
 
 
@@ -62,4 +72,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)  # [T, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [S', V]
+        logits = self.lm_head(hidden)  # [S', V]
+        s = self.cfg.logits_scaling  # Granite divides (8 on 3.x 8B); a positive scale keeps the argmax
+        return logits if s == 1.0 else logits / s

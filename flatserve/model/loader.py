@@ -52,24 +52,46 @@ def gguf_sidecar(path: Path) -> Path:
     out = _cache_root() / "gguf-meta" / f"{path.stem}-{key}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoConfig, PreTrainedTokenizerFast
 
+    from flatserve.model import gguf_config
     from flatserve.model.gguf_weights import moe_hf_config
 
     try:
-        cfg = moe_hf_config(path)
+        moe = moe_hf_config(path)
+        cfg = moe or gguf_config.hf_config(path)  # MoE, then the dense families
+        if cfg is None:
+            cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            cfg.architectures = [_GGUF_ARCH.get(cfg.model_type, cfg.model_type)]
         # AutoTokenizer reads the config through the transformers path moe_hf_config avoids.
-        tok_cls = AutoTokenizer if cfg is None else PreTrainedTokenizerFast
-        cfg = cfg or AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        tok = tok_cls.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name) \
+            if moe is not None else _gguf_tokenizer(path)
     except Exception as e:  # a corrupt or truncated file fails in many ways inside gguf
         raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from None
-    cfg.architectures = [_GGUF_ARCH.get(cfg.model_type, cfg.model_type)]
     tmp = out.with_name(out.name + ".tmp")
     cfg.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
     return out
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer for a GGUF file. Its AutoTokenizer refuses architectures it has
+    no config reader for (granite, smollm3), though the tokenizer keys are the same for all:
+    those are built from the same transformers converter directly."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as e:
+        if "not supported" not in str(e):
+            raise
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (convert_gguf_tokenizer,
+                                                                       get_gguf_tokenizer)
+
+    arch, tok_dict, tok_cfg = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(arch, tok_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**tok_cfg, **extra})
 
 
 def default_model_path() -> Path:

@@ -12,6 +12,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Llama wiring plus config flags (ModelConfig.moe, attention_sinks): registry entries only.
     "Qwen3MoeForCausalLM": ("flatserve.model.qwen3", "Qwen3ForCausalLM"),
     "GptOssForCausalLM": ("flatserve.model.llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("flatserve.model.gemma3", "Gemma2ForCausalLM"),
+    # Llama wiring; what differs is read from the config into ModelConfig's flags.
+    "MistralForCausalLM": ("flatserve.model.llama", "LlamaForCausalLM"),  # window on every layer
+    "Qwen2ForCausalLM": ("flatserve.model.llama", "LlamaForCausalLM"),  # q/k/v biases
+    "Phi3ForCausalLM": ("flatserve.model.llama", "LlamaForCausalLM"),  # packed, partial, LongRoPE
+    "SmolLM3ForCausalLM": ("flatserve.model.llama", "LlamaForCausalLM"),  # NoPE layers
+    "GraniteForCausalLM": ("flatserve.model.llama", "LlamaForCausalLM"),  # multipliers
 }
 
 

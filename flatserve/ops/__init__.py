@@ -8,7 +8,11 @@ an implementation. Measured in docs/benchmarks/gpu.md and cpu.md.
 """
 from __future__ import annotations
 
+import logging
+
 from torch import nn
+
+log = logging.getLogger("flatserve")
 
 FUSED_OPS = ("rmsnorm", "rope", "act")
 
@@ -58,7 +62,21 @@ def enable(model: nn.Module, names: frozenset[str], backend: str) -> None:
             m.fused = impl.rms_norm
             m.fused_pair = getattr(impl, "rms_norm_pair", None)  # the C++ ops have it
         elif isinstance(m, Attention) and "rope" in names:
-            m.fused = impl.qk_norm_rope
+            m.fused = _rope_op(m, impl)
         elif isinstance(m, GatedMLP) and "act" in names and m.act_name in impl.ACTS:
             m.gated = impl.fuse_gate_up(m)  # the activation in the gate_up GEMM where it can be
             m.fused = None if m.gated else impl.act_and_mul
+
+
+def _rope_op(attn: nn.Module, impl: object) -> object:
+    """The fused q/k norm + rotary for this layer, or None (the torch layers) where the kernel
+    cannot take it: a NoPE layer has nothing to fuse; partial rotary where the op rotates the
+    whole head only (the C++ op); a head size the op does not take."""
+    if attn.rotary is None:
+        return None
+    ok, why = impl.rope_fits(attn.d, attn.rotary.dim)
+    if not ok:
+        log.info("fused rope off for head size %d, rotary dims %d: %s; the torch layer runs",
+                 attn.d, attn.rotary.dim, why)
+        return None
+    return impl.qk_norm_rope

@@ -49,6 +49,13 @@ def fuse_gate_up(mlp: torch.nn.Module) -> bool:
     return isinstance(lin, AMXLinear) and lin.make_gated(mlp.act_name)
 
 
+def rope_fits(head_dim: int, rotary_dim: int) -> tuple[bool, str]:
+    """The C++ op rotates whole heads of an even size (its table is [2, P, D])."""
+    if rotary_dim != head_dim:
+        return False, "the C++ op rotates whole heads only"
+    return head_dim % 2 == 0, "odd head size"
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float,
                  offset: bool) -> None:

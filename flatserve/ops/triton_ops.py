@@ -70,7 +70,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool,
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, table_len, Hq, eps,
-                         NORM: tl.constexpr, OFFSET: tl.constexpr, HALF: tl.constexpr):
+                         NORM: tl.constexpr, OFFSET: tl.constexpr, HALF: tl.constexpr,
+                         HALF_P: tl.constexpr, PASS: tl.constexpr, PASS_P: tl.constexpr):
+    """One (token, head): dims [0, 2 HALF) rotate in two halves, [2 HALF, 2 HALF + PASS) pass
+    through (partial rotary); each part is padded to a power of two (HALF_P, PASS_P) and masked,
+    so any even head size runs (Phi-3's 96, half 48; 80, half 40)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if h < Hq:
@@ -80,45 +84,72 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
         base = k_ptr + t * stride_kt + (h - Hq) * stride_kh
         w_ptr = kw_ptr
     dt = q_ptr.dtype.element_ty
-    i = tl.arange(0, HALF)
-    x1 = tl.load(base + i).to(tl.float32)  # first half of the head  [HALF]
-    x2 = tl.load(base + HALF + i).to(tl.float32)
-    if NORM:  # per-head RMSNorm over all 2 * HALF dims
-        inv = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + i).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + i).to(tl.float32)
+    ROT: tl.constexpr = 2 * HALF
+    i = tl.arange(0, HALF_P)
+    mi = i < HALF
+    x1 = tl.load(base + i, mask=mi, other=0.0).to(tl.float32)  # first half of the rotary dims
+    x2 = tl.load(base + HALF + i, mask=mi, other=0.0).to(tl.float32)
+    j = tl.arange(0, PASS_P)
+    mj = j < PASS
+    if NORM:  # per-head RMSNorm over all ROT + PASS dims
+        ss = tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)
+        if PASS > 0:
+            xp = tl.load(base + ROT + j, mask=mj, other=0.0).to(tl.float32)
+            ss += tl.sum(xp * xp, 0)
+        inv = tl.rsqrt(ss / (ROT + PASS) + eps)
+        w1 = tl.load(w_ptr + i, mask=mi, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + i, mask=mi, other=0.0).to(tl.float32)
         if OFFSET:
             x1 = _round(x1 * inv * (1.0 + w1), dt)
             x2 = _round(x2 * inv * (1.0 + w2), dt)
         else:
             x1 = _round(w1 * _round(x1 * inv, dt), dt)
             x2 = _round(w2 * _round(x2 * inv, dt), dt)
+        if PASS > 0:
+            wp = tl.load(w_ptr + ROT + j, mask=mj, other=0.0).to(tl.float32)
+            if OFFSET:
+                xp = _round(xp * inv * (1.0 + wp), dt)
+            else:
+                xp = _round(wp * _round(xp * inv, dt), dt)
+            tl.store(base + ROT + j, xp.to(dt), mask=mj)
     pos = tl.load(pos_ptr + t)
-    # Table [2, P, 2 * HALF] fp32, both halves equal; torch casts it to the model dtype first.
-    cos = _round(tl.load(cs_ptr + pos * (2 * HALF) + i), dt)
-    sin = _round(tl.load(cs_ptr + table_len * (2 * HALF) + pos * (2 * HALF) + i), dt)
+    # Table [2, P, ROT] fp32, both halves equal; torch casts it to the model dtype first.
+    cos = _round(tl.load(cs_ptr + pos * ROT + i, mask=mi, other=0.0), dt)
+    sin = _round(tl.load(cs_ptr + table_len * ROT + pos * ROT + i, mask=mi, other=0.0), dt)
     # x * cos + rotate_half(x) * sin with torch's three roundings per element.
     o1 = _round(x1 * cos, dt) + _round(-x2 * sin, dt)
     o2 = _round(x2 * cos, dt) + _round(x1 * sin, dt)
-    tl.store(base + i, _round(o1, dt).to(dt))
-    tl.store(base + HALF + i, _round(o2, dt).to(dt))
+    tl.store(base + i, _round(o1, dt).to(dt), mask=mi)
+    tl.store(base + HALF + i, _round(o2, dt).to(dt), mask=mi)
+
+
+def rope_fits(head_dim: int, rotary_dim: int) -> tuple[bool, str]:
+    """Any even rotary part of a head up to 512 dims (padded to powers of two in the kernel)."""
+    if rotary_dim % 2 or rotary_dim > head_dim or head_dim > 512:
+        return False, "rotary dims must be even and at most the head size (512 at most)"
+    return True, ""
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, offset: bool) -> None:
     """In place on q [T, Hq, D] and k [T, Hkv, D] (views into the qkv output): optional per-head
-    RMSNorm, then neox rotary from the fp32 table cos_sin [2, P, D] at `positions`."""
+    RMSNorm, then neox rotary of the first R dims from the fp32 table cos_sin [2, P, R] at
+    `positions` (R < D: partial rotary, the rest only normed)."""
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0
+    Hkv, R = k.shape[1], cos_sin.shape[2]
+    ok, why = rope_fits(D, R)
+    if not ok or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"qk_norm_rope: head {D}, rotary {R}: {why or 'rows must be contiguous'}")
     assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
     if T == 0:
         return
     norm = q_w is not None
+    half, rest = R // 2, D - R
     _qk_norm_rope_kernel[(T, Hq + Hkv)](
         q, k, positions, cos_sin, q_w if norm else q, k_w if norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.shape[1], Hq, eps,
-        NORM=norm, OFFSET=offset, HALF=D // 2, num_warps=1)
+        NORM=norm, OFFSET=offset, HALF=half, HALF_P=triton.next_power_of_2(half), PASS=rest,
+        PASS_P=triton.next_power_of_2(max(rest, 1)), num_warps=1)
 
 
 @triton.jit

@@ -83,7 +83,13 @@ def test_softcap_and_sinks() -> None:
     check([1] * 4 + [150], _ragged(4, 1, 800) + [700], sinks=True)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+def test_softcap_with_window() -> None:
+    """Gemma 2's local layers: soft-capping and a window in one call."""
+    check([1] * 4 + [150, 70], _ragged(4, 1, 800) + [700, 70], hq=8, hkv=4, d=256, softcap=2.0,
+          window=64)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])  # 80, 96: padded to 128 in the kernel
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_head_sizes_block_sizes_dtypes(d: int, bs: int, dtype: torch.dtype) -> None:
