@@ -74,6 +74,11 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in _cpu_flags()
 
 
+def cpu_has_avx2_fma() -> bool:
+    """AVX2 + FMA + F16C (Haswell / Zen 1 and later): flatserve/model/avx2.py's kernel."""
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
 def build_cpu_extension(name: str, source: str) -> object:
     """Compile one C++ source into a module with this machine's compiler (cached by torch under
     ~/.cache/torch_extensions); raises where there is no compiler/ninja/headers.

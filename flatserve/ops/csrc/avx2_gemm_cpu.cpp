@@ -1,0 +1,288 @@
+// y[M, N] = x[M, K] @ W[N, K]^T with bf16 weights on CPUs without native bf16 arithmetic (AVX2 +
+// FMA: AMD Zen 2/3, Intel before Sapphire Rapids), W packed once at load (flatserve/model/avx2.py).
+//
+// Why: without AMX / AVX512-BF16, torch's bf16 linear is emulated and slower than fp32, so the
+// engine ran fp32 weights (1.24 GB for Gemma 3 270M, twice the bytes a decode step must read).
+// Here the weights stay bf16 and are widened to fp32 in registers: bf16 -> fp32 is a 16-bit
+// shift. The sums are fp32 FMAs; the result is rounded once (RNE) to x's dtype, as F.linear does.
+//
+// Packed layout [N/16][K][16]: a 16-column panel is one contiguous stream, each k step 32 bytes
+// (one AVX2 load). Within a step the 32-bit lane j holds columns j (low half) and j + 8 (high
+// half), so one shift and one mask give columns 0-7 and 8-15 as two fp32 vectors, in order.
+// Micro-kernel: up to 6 rows x 16 columns, 12 accumulators, x broadcast from an fp32 copy.
+// Decode-sized calls (M <= 16) read each panel from memory once: the 2-3 row blocks after the
+// first find it in L1 / L2 (K = 640: 20 KB; K = 2,048: 64 KB). Prompt-sized calls take the
+// rows in chunks of kRowChunk (96 rows x K fp32 stay in L2) with every panel streamed per chunk.
+// The plain kernel (`linear_plain`) reads W [N, K] as stored: the tied LM head reads the
+// embedding table in place (no 335 MB packed copy for Gemma 3 270M).
+//
+// Without AVX2 + FMA (other compile flags, other architectures) the same loops run in portable
+// C++: same layout, same results up to the order of the fp32 sums.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FLATSERVE_AVX2_GEMM 1
+#endif
+
+namespace {
+
+constexpr int kMR = 6;           // rows of the packed micro-kernel: 12 of the 16 ymm registers
+constexpr int64_t kRowChunk = 96;  // rows of x (fp32) kept in L2 while every panel streams by
+
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+// fp32 -> bf16 bits, rounded to nearest even (c10's rule for finite values; NaN stays NaN).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t w;
+  std::memcpy(&w, &f, sizeof(w));
+  if ((w & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((w >> 16) | 0x40);
+  return static_cast<uint16_t>((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+}
+
+// 16 fp32 outputs (a row's columns c..c+15) -> y[0..15] in y's dtype, bias (fp32) added first.
+template <typename T>
+inline void store16(const float* acc, const float* bias, T* y) {
+  for (int j = 0; j < 16; ++j) {
+    const float v = acc[j] + (bias ? bias[j] : 0.f);
+    if constexpr (std::is_same_v<T, float>) y[j] = v;
+    else { const uint16_t b = f32_to_bf16(v); std::memcpy(y + j, &b, 2); }
+  }
+}
+
+#ifdef FLATSERVE_AVX2_GEMM
+// Packed micro-kernel: rows x[0..MR) (row stride xs, fp32) times one panel w [K][16] -> acc
+// [MR][16] (row r's 16 columns in order).
+template <int MR>
+inline void panel_kernel(const float* x, int64_t xs, const uint16_t* w, int64_t K, float* acc) {
+  __m256 c0[MR], c1[MR];
+  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16));
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));  // columns 0-7
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(wv, hi));   // columns 8-15
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);
+      c0[r] = _mm256_fmadd_ps(xb, w0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(xb, w1, c1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(acc + r * 16, c0[r]);
+    _mm256_storeu_ps(acc + r * 16 + 8, c1[r]);
+  }
+}
+
+inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Plain micro-kernel: MR rows of x times NB rows of W [N, K] (row stride K) -> out[r * ld + n]
+// = x_r . w_n. 12 accumulators + 3 x vectors + 1 weight vector fill the 16 registers.
+template <int MR, int NB>
+inline void dot_kernel(const float* x, int64_t xs, const uint16_t* w, int64_t K, float* out,
+                       int64_t ld) {
+  __m256 a[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NB; ++n) a[r][n] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t{7};
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = _mm256_loadu_ps(x + r * xs + k);
+    for (int n = 0; n < NB; ++n) {
+      const __m256 wv = widen8(w + n * K + k);
+      for (int r = 0; r < MR; ++r) a[r][n] = _mm256_fmadd_ps(xv[r], wv, a[r][n]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NB; ++n) {
+      float s = hsum8(a[r][n]);
+      for (int64_t k = K8; k < K; ++k) s += x[r * xs + k] * bf16_to_f32(w[n * K + k]);
+      out[r * ld + n] = s;
+    }
+}
+#else
+template <int MR>
+inline void panel_kernel(const float* x, int64_t xs, const uint16_t* w, int64_t K, float* acc) {
+  float c[MR][16] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    float wf[16];
+    for (int j = 0; j < 8; ++j) {  // lane j: column j low, column j + 8 high
+      wf[j] = bf16_to_f32(w[k * 16 + 2 * j]);
+      wf[j + 8] = bf16_to_f32(w[k * 16 + 2 * j + 1]);
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 16; ++j) c[r][j] += x[r * xs + k] * wf[j];
+  }
+  std::memcpy(acc, c, sizeof(c));
+}
+
+template <int MR, int NB>
+inline void dot_kernel(const float* x, int64_t xs, const uint16_t* w, int64_t K, float* out,
+                       int64_t ld) {
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NB; ++n) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[r * xs + k] * bf16_to_f32(w[n * K + k]);
+      out[r * ld + n] = s;
+    }
+}
+#endif
+
+void panel_rows(int64_t rows, const float* x, int64_t xs, const uint16_t* w, int64_t K, float* acc) {
+  switch (rows) {
+    case 6: panel_kernel<6>(x, xs, w, K, acc); break;
+    case 5: panel_kernel<5>(x, xs, w, K, acc); break;
+    case 4: panel_kernel<4>(x, xs, w, K, acc); break;
+    case 3: panel_kernel<3>(x, xs, w, K, acc); break;
+    case 2: panel_kernel<2>(x, xs, w, K, acc); break;
+    default: panel_kernel<1>(x, xs, w, K, acc); break;
+  }
+}
+
+// x [M, K] as fp32, contiguous: the input itself when it already is, else a widened copy.
+at::Tensor as_f32(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+}
+
+std::vector<float> bias_f32(const at::Tensor& bias, int64_t N) {
+  if (!bias.numel()) return {};
+  TORCH_CHECK(bias.numel() == N, "avx2 linear: bias [N]");
+  at::Tensor b = bias.to(at::kFloat).contiguous();
+  return std::vector<float>(b.data_ptr<float>(), b.data_ptr<float>() + N);
+}
+
+template <typename T>
+void run_packed(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                const float* bias, T* y) {
+  const int64_t G = N / 16;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t m1 = std::min(M, m0 + kRowChunk);
+    // Panels split evenly over the threads: a decode call's whole weight is one stream each.
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      alignas(32) float acc[kMR * 16];
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint16_t* wp = w + g * K * 16;
+        for (int64_t r = m0; r < m1; r += kMR) {
+          const int64_t rows = std::min<int64_t>(kMR, m1 - r);
+          panel_rows(rows, xf + r * K, K, wp, K, acc);
+          for (int64_t i = 0; i < rows; ++i)
+            store16<T>(acc + i * 16, bias ? bias + g * 16 : nullptr, y + (r + i) * N + g * 16);
+        }
+      }
+    });
+  }
+}
+
+template <typename T>
+void run_plain(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+               const float* bias, T* y) {
+  constexpr int NB = 4, MR = 3;
+  constexpr int64_t kCols = 64;  // W rows per task: 64 x K bf16 (80 KB at K = 640) from L2
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t m1 = std::min(M, m0 + kRowChunk);
+    at::parallel_for(0, (N + kCols - 1) / kCols, 1, [&](int64_t b0, int64_t b1) {
+      alignas(32) float out[MR * NB];
+      for (int64_t n0 = b0 * kCols; n0 < std::min(N, b1 * kCols); n0 += NB) {
+        const int64_t nb = std::min<int64_t>(NB, N - n0);
+        for (int64_t r = m0; r < m1; r += MR) {
+          const int64_t rows = std::min<int64_t>(MR, m1 - r);
+          const float* xr = xf + r * K;
+          const uint16_t* wn = w + n0 * K;
+          if (nb == NB && rows == MR) dot_kernel<MR, NB>(xr, K, wn, K, out, NB);
+          else
+            for (int64_t i = 0; i < rows; ++i)
+              for (int64_t n = 0; n < nb; ++n) dot_kernel<1, 1>(xr + i * K, K, wn + n * K, K, out + i * NB + n, 1);
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t n = 0; n < nb; ++n) {
+              const float v = out[i * NB + n] + (bias ? bias[n0 + n] : 0.f);
+              if constexpr (std::is_same_v<T, float>) y[(r + i) * N + n0 + n] = v;
+              else { const uint16_t b = f32_to_bf16(v); std::memcpy(y + (r + i) * N + n0 + n, &b, 2); }
+            }
+        }
+      }
+    });
+  }
+}
+
+void check_x(const at::Tensor& x, int64_t K, const char* what) {
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.size(1) == K, what, ": x [M, K] on the CPU, K = ", K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              what, ": x must be bfloat16 or float32");
+}
+
+// x [M, K] (bf16 or fp32) @ packed W [N/16, K, 16] bf16 (+ bias [N]) -> [M, N] in x's dtype.
+// act: the gated epilogue of the AMX kernel's signature; not supported here (0 only).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t act) {
+  TORCH_CHECK(act == 0, "avx2 linear: no gated epilogue");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(2) == 16 &&
+              packed.is_contiguous(), "avx2 linear: packed W [N/16, K, 16] bf16, contiguous");
+  const int64_t K = packed.size(1), N = packed.size(0) * 16, M = x.size(0);
+  check_x(x, K, "avx2 linear");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor xf = as_f32(x);
+  const std::vector<float> b = bias_f32(bias, N);
+  const float* bp = b.empty() ? nullptr : b.data();
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  if (x.scalar_type() == at::kFloat) run_packed<float>(xf.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
+  else run_packed<at::BFloat16>(xf.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<at::BFloat16>());
+  return y;
+}
+
+// x [M, K] @ plain W [N, K]^T (bf16, read in place) (+ bias) -> [M, N] in x's dtype.
+at::Tensor linear_plain(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
+              "avx2 linear_plain: W [N, K] bf16, contiguous");
+  const int64_t N = weight.size(0), K = weight.size(1), M = x.size(0);
+  check_x(x, K, "avx2 linear_plain");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor xf = as_f32(x);
+  const std::vector<float> b = bias_f32(bias, N);
+  const float* bp = b.empty() ? nullptr : b.data();
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  if (x.scalar_type() == at::kFloat) run_plain<float>(xf.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
+  else run_plain<at::BFloat16>(xf.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<at::BFloat16>());
+  return y;
+}
+
+bool vectorized() {
+#ifdef FLATSERVE_AVX2_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("vectorized", &vectorized, "compiled with the AVX2 + FMA kernels (else portable C++)");
+  mod.def("linear", &linear, "x [M, K] @ packed W [N/16, K, 16] bf16 (+ bias) -> [M, N] in x's dtype",
+          py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("act") = 0);
+  mod.def("linear_plain", &linear_plain, "x [M, K] @ plain W [N, K]^T bf16 (+ bias) -> [M, N]");
+}
+
+TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
+  m.def("avx2_linear(Tensor x, Tensor w_packed, Tensor bias, int act) -> Tensor", &linear);
+}
