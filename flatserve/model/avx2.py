@@ -61,7 +61,7 @@ class AVX2Linear(nn.Module):
         assert self._ext is not None, "AVX2 GEMM kernel not built here"
         self.out_features, self.in_features = weight.shape
         self.plain = plain
-        self.act = 0  # the AMX kernel's gated epilogue; none here (AMXLinear's interface)
+        self.act = 0  # GATED_ACTS code once `make_gated` folds an activation into the epilogue
         if plain:
             self.weight = weight.detach()  # [N, K], shared with its owner
             self.packed = _EMPTY
@@ -69,12 +69,29 @@ class AVX2Linear(nn.Module):
             self.packed = pack(weight.detach())
         self.bias = _EMPTY if bias is None else bias.detach().float().contiguous()
 
+    def make_gated(self, act: str) -> bool:
+        """A gate_up projection (gate rows, then up rows) becomes x -> act(gate) * up [.., N/2],
+        the activation in the epilogue with act_and_mul's maths and roundings. Panels are
+        repacked gate 16 | up 16 columns of the same outputs. -> whether it took (packed, no
+        bias, an activation it knows, N/2 a multiple of 16)."""
+        from flatserve.model.amx import GATED_ACTS
+
+        i = self.out_features // 2
+        if self.plain or self.act or self.bias.numel() or act not in GATED_ACTS or i % 16:
+            return False
+        w = self.plain_weight()
+        order = torch.stack([torch.arange(i).view(-1, 16), torch.arange(i, 2 * i).view(-1, 16)], 1)
+        self.packed = pack(w[order.reshape(-1)])
+        self.act, self.out_features = GATED_ACTS[act], i
+        return True
+
     @property
     def ext(self):  # noqa: ANN201 - the built extension module
         return self._ext
 
     def plain_weight(self) -> torch.Tensor:
         """W [N, K]: the weight itself (plain) or an unpacked copy (packed)."""
+        assert not self.act, "a gated linear's panels are interleaved"
         return self.weight if self.plain else unpack(self.packed)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
@@ -87,7 +104,7 @@ class AVX2Linear(nn.Module):
         if self.plain:
             y = self._ext.linear_plain(x2, self.weight, self.bias)
         else:
-            y = self._ext.linear(x2, self.packed, self.bias, 0)
+            y = self._ext.linear(x2, self.packed, self.bias, self.act)  # gated: [M, N / 2]
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -84,3 +84,33 @@ def test_tied_head_reads_the_embedding_in_place() -> None:
     assert m.lm_head.plain and m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
     x = torch.randn(5, 32).bfloat16()
     _check(m.lm_head(x), x, m.model.embed_tokens.weight, None)
+
+
+@needs_avx2
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("rows", [1, 16, 130])
+def test_gated_epilogue_equals_gate_up_then_act_and_mul(act: str, rows: int) -> None:
+    """act(gate) * up in the GEMM's epilogue against the plain GEMM followed by the fused
+    act_and_mul kernel (or torch's where that did not build): each rounds the same bf16 gate and
+    up values; only the activation's own float maths may differ (FMA contraction), so at most
+    one bf16 ulp of act, which act * up carries to at most 2 ulps of the output."""
+    from flatserve.ops import cpu_ops
+
+    g = torch.Generator().manual_seed(rows)
+    inter, K = 96, 200
+    w = (torch.randn(2 * inter, K, generator=g) / 8).bfloat16()
+    x = torch.randn(rows, K, generator=g).bfloat16()
+    plain = avx2.AVX2Linear(w, None)(x)  # [rows, 2I]
+    if cpu_ops.available():
+        ref = cpu_ops.act_and_mul(plain, act)
+    else:
+        a, u = plain[:, :inter].float(), plain[:, inter:].float()
+        f = torch.nn.functional
+        ref = ((f.silu(a) if act == "silu" else f.gelu(a, approximate="tanh")).bfloat16().float() * u).bfloat16()
+    lin = avx2.AVX2Linear(w, None)
+    assert lin.make_gated(act) and lin.out_features == inter
+    got = lin(x)
+    assert got.shape == (rows, inter)
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30))) - 7)
+    assert ((got.float() - ref.float()).abs() <= 2 * ulp).all()
+    assert (got == ref).float().mean() > 0.99

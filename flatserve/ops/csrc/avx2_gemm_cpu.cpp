@@ -22,9 +22,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "cpu_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -171,6 +174,56 @@ std::vector<float> bias_f32(const at::Tensor& bias, int64_t N) {
   return std::vector<float>(b.data_ptr<float>(), b.data_ptr<float>() + N);
 }
 
+// fp32 -> the value a bf16 store keeps (RNE), as fp32; x itself for fp32 outputs.
+template <typename T>
+inline float rnd(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return bf16_to_f32(f32_to_bf16(v));
+}
+
+// Gated epilogue (AVX2Linear.make_gated: panel 2p holds gate columns 16p.., panel 2p + 1 the up
+// columns of the same outputs): y = act(gate) * up, each rounded to T as the separate gate_up
+// store and act_and_mul (ops/csrc/fused_cpu.cpp, act_row) round them, with act_row's maths.
+template <typename T>
+inline void store16_gated(const float* g, const float* u, int act, T* y) {
+  for (int j = 0; j < 16; ++j) {
+    const float a = rnd<T>(g[j]);
+    float v;
+    if (act == 2) {  // GELU, tanh form: tanh(z) = 1 - 2 / (exp(2z) + 1)
+      const float z = 0.7978845608028654f * (a + 0.044715f * a * a * a);
+      v = 0.5f * a * (2.f - 2.f / (flatserve::exp_poly(2.f * z) + 1.f));
+    } else {  // SiLU from e = exp(-|a|) <= 1 on both sides of 0
+      const float e = flatserve::exp_poly(-std::fabs(a));
+      const float r = 1.f / (1.f + e);
+      v = a * (a >= 0.f ? r : e * r);
+    }
+    const float out = rnd<T>(rnd<T>(v) * rnd<T>(u[j]));
+    if constexpr (std::is_same_v<T, float>) y[j] = out;
+    else { const uint16_t b = f32_to_bf16(out); std::memcpy(y + j, &b, 2); }
+  }
+}
+
+template <typename T>
+void run_gated(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t N, int act, T* y) {
+  const int64_t P = N / 32, ldy = N / 2;  // output panels, output columns
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t m1 = std::min(M, m0 + kRowChunk);
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      alignas(32) float ga[kMR * 16], ua[kMR * 16];
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* wg = w + 2 * p * K * 16;
+        for (int64_t r = m0; r < m1; r += kMR) {
+          const int64_t rows = std::min<int64_t>(kMR, m1 - r);
+          panel_rows(rows, xf + r * K, K, wg, K, ga);
+          panel_rows(rows, xf + r * K, K, wg + K * 16, K, ua);
+          for (int64_t i = 0; i < rows; ++i)
+            store16_gated<T>(ga + i * 16, ua + i * 16, act, y + (r + i) * ldy + p * 16);
+        }
+      }
+    });
+  }
+}
+
 template <typename T>
 void run_packed(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                 const float* bias, T* y) {
@@ -231,19 +284,26 @@ void check_x(const at::Tensor& x, int64_t K, const char* what) {
 }
 
 // x [M, K] (bf16 or fp32) @ packed W [N/16, K, 16] bf16 (+ bias [N]) -> [M, N] in x's dtype.
-// act: the gated epilogue of the AMX kernel's signature; not supported here (0 only).
+// act 1 / 2 (SiLU / GELU-tanh; W repacked by AVX2Linear.make_gated, no bias): act(gate) * up,
+// [M, N / 2].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t act) {
-  TORCH_CHECK(act == 0, "avx2 linear: no gated epilogue");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(2) == 16 &&
               packed.is_contiguous(), "avx2 linear: packed W [N/16, K, 16] bf16, contiguous");
   const int64_t K = packed.size(1), N = packed.size(0) * 16, M = x.size(0);
   check_x(x, K, "avx2 linear");
-  at::Tensor y = at::empty({M, N}, x.options());
+  TORCH_CHECK(act >= 0 && act <= 2 && (act == 0 || (N % 32 == 0 && !bias.numel())),
+              "avx2 linear: act 0, 1 (silu) or 2 (gelu-tanh); gated: N % 32 == 0, no bias");
+  at::Tensor y = at::empty({M, act ? N / 2 : N}, x.options());
   if (M == 0) return y;
   const at::Tensor xf = as_f32(x);
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  if (act) {
+    if (x.scalar_type() == at::kFloat) run_gated<float>(xf.data_ptr<float>(), M, K, w, N, act, y.data_ptr<float>());
+    else run_gated<at::BFloat16>(xf.data_ptr<float>(), M, K, w, N, act, y.data_ptr<at::BFloat16>());
+    return y;
+  }
   const std::vector<float> b = bias_f32(bias, N);
   const float* bp = b.empty() ? nullptr : b.data();
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   if (x.scalar_type() == at::kFloat) run_packed<float>(xf.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
   else run_packed<at::BFloat16>(xf.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<at::BFloat16>());
   return y;
@@ -278,7 +338,8 @@ bool vectorized() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("vectorized", &vectorized, "compiled with the AVX2 + FMA kernels (else portable C++)");
-  mod.def("linear", &linear, "x [M, K] @ packed W [N/16, K, 16] bf16 (+ bias) -> [M, N] in x's dtype",
+  mod.def("linear", &linear, "x [M, K] @ packed W [N/16, K, 16] bf16 (+ bias) -> [M, N] in x's dtype; "
+          "act 1 / 2: gated, [M, N / 2]",
           py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("act") = 0);
   mod.def("linear_plain", &linear_plain, "x [M, K] @ plain W [N, K]^T bf16 (+ bias) -> [M, N]");
 }
