@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--flatserve-args", default="", help="extra flags for flatserve serve")
     ap.add_argument("--out", default="bench_out/vs_llamacpp_cpu")
+    ap.add_argument("--engines", default="flatserve,llama-server", help="one alone: no ratio")
     a = ap.parse_args()
     from flatserve.model.loader import default_model_path
 
@@ -121,14 +122,17 @@ def main() -> None:
              f"CPU: {cpu_report()}", f"Model: {os.path.basename(gguf)}", "",
              "Command: " + " ".join(shlex.quote(x) for x in [".venv/bin/python", *sys.argv]), ""]
     for rnd in range(a.rounds):
-        order = ["flatserve", "llama-server"] if rnd % 2 == 0 else ["llama-server", "flatserve"]
+        engines = a.engines.split(",")
+        order = engines if rnd % 2 == 0 else engines[::-1]
         res = {e: run_engine(e, rnd, a, gguf, out) for e in order}
         for c in a.levels.split(","):
-            f, ll = res["flatserve"][c], res["llama-server"][c]
-            ratio = f["output_throughput"] / ll["output_throughput"] if ll["output_throughput"] else 0
-            lines += [f"## round {rnd + 1}, concurrency {c}: flatserve / llama-server out tok/s = {ratio:.2f}x",
-                      "", "| engine | out tok/s | TTFT p50 ms | TPOT p50 ms | peak RSS GiB | ok |",
-                      "|---|---|---|---|---|---|", row("flatserve", f), row("llama-server", ll), ""]
+            head = f"## round {rnd + 1}, concurrency {c}"
+            if len(res) == 2:
+                f, ll = res["flatserve"][c], res["llama-server"][c]
+                ratio = f["output_throughput"] / ll["output_throughput"] if ll["output_throughput"] else 0
+                head += f": flatserve / llama-server out tok/s = {ratio:.2f}x"
+            lines += [head, "", "| engine | out tok/s | TTFT p50 ms | TPOT p50 ms | peak RSS GiB | ok |",
+                      "|---|---|---|---|---|---|", *(row(e, res[e][c]) for e in engines), ""]
         (out / "report.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
 

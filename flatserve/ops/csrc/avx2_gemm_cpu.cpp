@@ -38,6 +38,11 @@ namespace {
 
 constexpr int kMR = 6;           // rows of the packed micro-kernel: 12 of the 16 ymm registers
 constexpr int64_t kRowChunk = 96;  // rows of x (fp32) kept in L2 while every panel streams by
+// From this many rows a call is compute-bound: W is widened once into an fp32 copy (a few MB,
+// freed after the call) and torch's fp32 GEMM (oneDNN / MKL, blocked for the caches) runs it.
+// At 512 rows x Gemma's gate_up it ran ~2x this file's micro-kernel (benchmarks/cpu_avx2_gemm.py),
+// and the widening is ~5% of the GEMM's time.
+constexpr int64_t kTorchRows = 128;
 
 inline float bf16_to_f32(uint16_t h) {
   const uint32_t w = static_cast<uint32_t>(h) << 16;
@@ -67,24 +72,36 @@ inline void store16(const float* acc, const float* bias, T* y) {
 #ifdef FLATSERVE_AVX2_GEMM
 // Packed micro-kernel: rows x[0..MR) (row stride xs, fp32) times one panel w [K][16] -> acc
 // [MR][16] (row r's 16 columns in order).
+// Up to 3 rows the FMA chains (2 per row) are too few to hide the FMA latency (4-5 cycles):
+// odd k steps then go to a second set of accumulators (S = 2), summed at the end.
 template <int MR>
 inline void panel_kernel(const float* x, int64_t xs, const uint16_t* w, int64_t K, float* acc) {
-  __m256 c0[MR], c1[MR];
-  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  constexpr int S = MR <= 3 ? 2 : 1;
+  __m256 c0[S][MR], c1[S][MR];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < MR; ++r) c0[s][r] = c1[s][r] = _mm256_setzero_ps();
   const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < K; ++k) {
+  auto step = [&](int64_t k, __m256* a0, __m256* a1) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16));
     const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));  // columns 0-7
     const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(wv, hi));   // columns 8-15
     for (int r = 0; r < MR; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);
-      c0[r] = _mm256_fmadd_ps(xb, w0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(xb, w1, c1[r]);
+      a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
     }
-  }
+  };
+  int64_t k = 0;
+  for (; k + S <= K; k += S)
+    for (int s = 0; s < S; ++s) step(k + s, c0[s], c1[s]);
+  for (; k < K; ++k) step(k, c0[0], c1[0]);
   for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(acc + r * 16, c0[r]);
-    _mm256_storeu_ps(acc + r * 16 + 8, c1[r]);
+    if constexpr (S == 2) {
+      c0[0][r] = _mm256_add_ps(c0[0][r], c0[1][r]);
+      c1[0][r] = _mm256_add_ps(c1[0][r], c1[1][r]);
+    }
+    _mm256_storeu_ps(acc + r * 16, c0[0][r]);
+    _mm256_storeu_ps(acc + r * 16 + 8, c1[0][r]);
   }
 }
 
@@ -100,7 +117,7 @@ inline float hsum8(__m256 v) {
 }
 
 // Plain micro-kernel: MR rows of x times NB rows of W [N, K] (row stride K) -> out[r * ld + n]
-// = x_r . w_n. 12 accumulators + 3 x vectors + 1 weight vector fill the 16 registers.
+// = x_r . w_n. MR x NB <= 12 accumulators, MR x vectors and one weight vector: 16 registers.
 template <int MR, int NB>
 inline void dot_kernel(const float* x, int64_t xs, const uint16_t* w, int64_t K, float* out,
                        int64_t ld) {
@@ -224,6 +241,38 @@ void run_gated(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t
   }
 }
 
+// Packed W [N/16, K, 16] -> fp32 [N, K], rows in packed column order (panel g's columns
+// 16g..16g+15; gated: gate 16 | up 16 of the same outputs, as the packing left them).
+at::Tensor widen(const uint16_t* w, int64_t N, int64_t K) {
+  at::Tensor out = at::empty({N, K}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < 16; ++c) {
+        const uint16_t* src = w + g * K * 16 + 2 * (c % 8) + c / 8;  // lane of column c
+        float* dst = o + (g * 16 + c) * K;
+        for (int64_t k = 0; k < K; ++k) dst[k] = bf16_to_f32(src[k * 16]);
+      }
+  });
+  return out;
+}
+
+// A prompt-sized call through torch's fp32 GEMM on a widened copy of W, then this file's
+// epilogues (bias and rounding, or the gated act(gate) * up) on the fp32 result.
+template <typename T>
+void run_torch(const at::Tensor& xf, const uint16_t* w, int64_t N, const float* bias, int act, T* y) {
+  const int64_t M = xf.size(0), K = xf.size(1);
+  const at::Tensor c = at::mm(xf, widen(w, N, K).t());  // [M, N] fp32, packed column order
+  const float* cp = c.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t p = 0; p < (act ? N / 32 : N / 16); ++p) {
+        if (act) store16_gated<T>(cp + r * N + 32 * p, cp + r * N + 32 * p + 16, act, y + r * (N / 2) + 16 * p);
+        else store16<T>(cp + r * N + 16 * p, bias ? bias + 16 * p : nullptr, y + r * N + 16 * p);
+      }
+  });
+}
+
 template <typename T>
 void run_packed(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                 const float* bias, T* y) {
@@ -246,10 +295,24 @@ void run_packed(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_
   }
 }
 
+// x rows (1-3) times 8 W rows -> out [rows][8]: 3 and 2 rows in two 4-column halves (12 / 8
+// accumulators), one row in one pass of 8 (8 chains: a single one would wait on each FMA).
+inline void dot_rows(int64_t rows, const float* x, int64_t K, const uint16_t* w, float* out) {
+  if (rows == 3) {
+    dot_kernel<3, 4>(x, K, w, K, out, 8);
+    dot_kernel<3, 4>(x, K, w + 4 * K, K, out + 4, 8);
+  } else if (rows == 2) {
+    dot_kernel<2, 4>(x, K, w, K, out, 8);
+    dot_kernel<2, 4>(x, K, w + 4 * K, K, out + 4, 8);
+  } else {
+    dot_kernel<1, 8>(x, K, w, K, out, 8);
+  }
+}
+
 template <typename T>
 void run_plain(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                const float* bias, T* y) {
-  constexpr int NB = 4, MR = 3;
+  constexpr int NB = 8, MR = 3;
   constexpr int64_t kCols = 64;  // W rows per task: 64 x K bf16 (80 KB at K = 640) from L2
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t m1 = std::min(M, m0 + kRowChunk);
@@ -261,7 +324,7 @@ void run_plain(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t
           const int64_t rows = std::min<int64_t>(MR, m1 - r);
           const float* xr = xf + r * K;
           const uint16_t* wn = w + n0 * K;
-          if (nb == NB && rows == MR) dot_kernel<MR, NB>(xr, K, wn, K, out, NB);
+          if (nb == NB) dot_rows(rows, xr, K, wn, out);
           else
             for (int64_t i = 0; i < rows; ++i)
               for (int64_t n = 0; n < nb; ++n) dot_kernel<1, 1>(xr + i * K, K, wn + n * K, K, out + i * NB + n, 1);
@@ -297,6 +360,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   if (M == 0) return y;
   const at::Tensor xf = as_f32(x);
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  if (M >= kTorchRows) {
+    const std::vector<float> b = bias_f32(bias, N);
+    const float* bp = b.empty() ? nullptr : b.data();
+    if (x.scalar_type() == at::kFloat) run_torch<float>(xf, w, N, bp, static_cast<int>(act), y.data_ptr<float>());
+    else run_torch<at::BFloat16>(xf, w, N, bp, static_cast<int>(act), y.data_ptr<at::BFloat16>());
+    return y;
+  }
   if (act) {
     if (x.scalar_type() == at::kFloat) run_gated<float>(xf.data_ptr<float>(), M, K, w, N, act, y.data_ptr<float>());
     else run_gated<at::BFloat16>(xf.data_ptr<float>(), M, K, w, N, act, y.data_ptr<at::BFloat16>());
