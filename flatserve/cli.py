@@ -36,9 +36,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule step N+1 while step N runs (default: on for CUDA)")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="weight-only int8 (CPU): half the weight bytes per decode step")
-    p.add_argument("--cpu-gemm", choices=["auto", "amx", "onednn", "torch"], default="auto",
-                   help="CPU bf16 linears: our AMX kernel, oneDNN pre-packed weights, or plain "
-                        "torch (auto: the first that runs here)")
+    p.add_argument("--cpu-gemm", choices=["auto", "amx", "onednn", "avx2", "torch"], default="auto",
+                   help="CPU bf16 linears: our AMX kernel, oneDNN pre-packed weights, our AVX2 "
+                        "kernel (bf16 widened in registers), or plain torch (auto: the first "
+                        "that runs here)")
     p.add_argument("--copy-tied-lm-head", action="store_true",
                    help="with the AMX linears: pack a copy of an LM head tied to the embedding "
                         "(faster decode, +335 MB for the default model) instead of reading the "

@@ -96,8 +96,8 @@ class EngineConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be int8 (weight-only) or unset, got {self.quantization!r}")
-        if self.cpu_gemm not in ("auto", "amx", "onednn", "torch"):
-            raise ValueError(f"cpu_gemm must be auto, amx, onednn or torch, got {self.cpu_gemm!r}")
+        if self.cpu_gemm not in ("auto", "amx", "onednn", "avx2", "torch"):
+            raise ValueError(f"cpu_gemm must be auto, amx, onednn, avx2 or torch, got {self.cpu_gemm!r}")
         self._validate_parallel()
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -74,6 +74,11 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in _cpu_flags()
 
 
+def cpu_has_avx2_fma() -> bool:
+    """AVX2 + FMA + F16C (Haswell / Zen 1 and later): flatserve/model/avx2.py's kernel."""
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
 def build_cpu_extension(name: str, source: str) -> object:
     """Compile one C++ source into a module with this machine's compiler (cached by torch under
     ~/.cache/torch_extensions); raises where there is no compiler/ninja/headers.
@@ -152,7 +157,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16
     if device.type == "mps":
         return torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    # AVX2 + FMA without native bf16: the weights stay bf16 and widen in registers
+    # (flatserve/model/avx2.py), half the bytes of fp32 per decode step.
+    return torch.bfloat16 if cpu_has_fast_bf16() or cpu_has_avx2_fma() else torch.float32
 
 
 def synchronize(device: torch.device) -> None:

@@ -279,31 +279,37 @@ def _quantize(model: torch.nn.Module, device: torch.device) -> int:
 
 
 def _cpu_gemm(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """The linears' path: cfg.cpu_gemm where it applies; for auto the first of amx, onednn
-    (CPU, bf16 weights not quantized, oneDNN with native bf16 / AMX kernel built) or torch."""
-    from flatserve.model import amx, onednn
+    """The linears' path: cfg.cpu_gemm where it applies; for auto the first of amx, onednn,
+    avx2 (CPU, bf16 weights not quantized; oneDNN with native bf16 / AMX kernel built / AVX2 +
+    FMA kernel built) or torch."""
+    from flatserve.model import amx, avx2, onednn
 
     if cfg.cpu_gemm == "torch" or (device.type != "cpu" and cfg.cpu_gemm == "auto"):
         return "torch"
     fits = device.type == "cpu" and not cfg.quantization
-    ok = {"amx": fits and amx.available(dtype), "onednn": fits and onednn.available(dtype)}
-    if cfg.cpu_gemm == "auto":
-        return next((name for name, can in ok.items() if can), "torch")
-    if not ok[cfg.cpu_gemm]:
-        need = " and a CPU with AMX bf16" if cfg.cpu_gemm == "amx" else ""
+    ok = {"amx": lambda: amx.available(dtype), "onednn": lambda: onednn.available(dtype),
+          "avx2": lambda: avx2.available(dtype)}
+    if cfg.cpu_gemm == "auto":  # each check may build its kernel: stop at the first that runs
+        return next((name for name, can in ok.items() if fits and can()), "torch")
+    if not (fits and ok[cfg.cpu_gemm]()):
+        need = {"amx": " and a CPU with AMX bf16", "avx2": " (here: a CPU with AVX2 + FMA and "
+                "the kernel built)"}.get(cfg.cpu_gemm, " and a torch with oneDNN on a CPU with "
+                                                      "native bf16")
         raise ValueError(f"cpu_gemm {cfg.cpu_gemm!r} needs the CPU, bf16 weights without "
-                         f"quantization and a torch with oneDNN on a CPU with native bf16{need}; "
-                         f"here: device {device.type}, dtype {dtype}, quantization "
-                         f"{cfg.quantization}")
+                         f"quantization{need}; here: device {device.type}, dtype {dtype}, "
+                         f"quantization {cfg.quantization}")
     return cfg.cpu_gemm
 
 
 def _pack(model: torch.nn.Module, device: torch.device, gemm: str, copy_tied: bool) -> int:
     """Linears into the `gemm` path's packed layout in place; -> bytes added (a tied LM head's
     second copy, where one is made)."""
-    from flatserve.model import amx, onednn
+    from flatserve.model import amx, avx2, onednn
 
-    added = amx.pack_linears(model, copy_tied) if gemm == "amx" else onednn.pack_linears(model)
+    if gemm == "amx":
+        added = amx.pack_linears(model, copy_tied)
+    else:
+        added = avx2.pack_linears(model) if gemm == "avx2" else onednn.pack_linears(model)
     dev.release_freed_memory(device)
     return added
 

@@ -7,8 +7,8 @@ kernels in the same order from C++, so its output is bit-identical to the Python
 those kernels (tests/test_cpu_stack.py); the layers stay the reference and run every step the
 stack does not take (prompt chunks, where host time is noise against 300 ms of GEMMs).
 
-It takes a model whose every layer runs on the C++ path: AMX linears (packed, the gate_up GEMM
-gated), the fused norm and rope ops, the CPU attention backend's decode kernel (head size a
+It takes a model whose every layer runs on the C++ path: AMX or AVX2 linears (packed, the
+gate_up GEMM gated), the fused norm and rope ops, the CPU attention backend's decode kernel (head size a
 multiple of 16), one eps and norm offset. `build` returns None for anything else, and the
 runner then keeps the Python layers (`enforce_eager=True` does so on purpose).
 """
@@ -57,7 +57,6 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
     would leave the C++ path (the reason is not logged: the Python layers are the normal path
     on every other device too)."""
     from flatserve.attention import cpu_backend
-    from flatserve.model import amx
     from flatserve.ops import cpu_ops
 
     if not isinstance(backend, cpu_backend.CpuAttentionBackend) or len(layers) == 0:
@@ -70,12 +69,13 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
     if not all(_fits(layer, norms, ref) for layer in layers):
         return None
     attn = first.self_attn
-    if not (cpu_ops.available() and cpu_backend.available() and amx.available(torch.bfloat16)):
+    gemm = _gemm_op(first.self_attn.qkv_proj)
+    if not (cpu_ops.available() and cpu_backend.available() and gemm):
         return None  # each loads its kernel module, registering the ops the stack calls
     ext = _ext()
     if ext is None:
         return None
-    modules = [cpu_ops.module.name, amx._ext.name, cpu_backend.kernel.name]  # the op namespaces
+    modules = [cpu_ops.module.name, gemm, cpu_backend.kernel.name]  # the op namespaces
     stack = ext.Stack(modules, attn.hq, attn.hkv, attn.d, ref.eps, bool(ref.offset),
                       first.mlp.gate_up_proj.act)
     ropes: list[nn.Module] = []
@@ -95,9 +95,21 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
     return CpuDecoderStack(stack, ropes, cpu_backend.MAX_KERNEL_ROWS)
 
 
+def _gemm_op(linear: nn.Module) -> str | None:
+    """The stack's GEMM op, "module::op", for this model's linears (AMX or AVX2: one signature)."""
+    from flatserve.model import amx, avx2
+
+    if isinstance(linear, amx.AMXLinear) and amx.available(torch.bfloat16):
+        return f"{amx._ext.name}::amx_linear"
+    if isinstance(linear, avx2.AVX2Linear) and avx2.available(torch.bfloat16):
+        return f"{avx2._ext.name}::avx2_linear"
+    return None
+
+
 def _fits(layer: nn.Module, norms: tuple[str | None, ...], ref: nn.Module) -> bool:
     """Every kernel of this layer is the one the stack calls, with the same arguments."""
     from flatserve.model.amx import AMXLinear
+    from flatserve.model.avx2 import AVX2Linear
     from flatserve.model.layers import RMSNorm
 
     a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -116,5 +128,6 @@ def _fits(layer: nn.Module, norms: tuple[str | None, ...], ref: nn.Module) -> bo
                and m.offset == ref.offset for m in rms):
         return False
     lin = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return (all(isinstance(m, AMXLinear) and not m.plain for m in lin) and mlp.gated
+    kind = type(a.qkv_proj) if isinstance(a.qkv_proj, (AMXLinear, AVX2Linear)) else None
+    return (kind is not None and all(type(m) is kind and not m.plain for m in lin) and mlp.gated
             and not mlp.down_proj.act and a.kv_cache[0].dtype == torch.bfloat16)

@@ -41,12 +41,13 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def fuse_gate_up(mlp: torch.nn.Module) -> bool:
-    """Folds act(gate) * up into an AMX gate_up GEMM's epilogue (model/amx.py, make_gated):
-    -> whether it took (other linears keep act_and_mul)."""
+    """Folds act(gate) * up into an AMX or AVX2 gate_up GEMM's epilogue (model/amx.py,
+    model/avx2.py: make_gated): -> whether it took (other linears keep act_and_mul)."""
     from flatserve.model.amx import AMXLinear
+    from flatserve.model.avx2 import AVX2Linear
 
     lin = mlp.gate_up_proj
-    return isinstance(lin, AMXLinear) and lin.make_gated(mlp.act_name)
+    return isinstance(lin, (AMXLinear, AVX2Linear)) and lin.make_gated(mlp.act_name)
 
 
 def rope_fits(head_dim: int, rotary_dim: int) -> tuple[bool, str]:

@@ -164,7 +164,7 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-_GEMM_NAMES = {"amx": ", AMX linears", "onednn": ", oneDNN linears"}  # start-up line
+_GEMM_NAMES = {"amx": ", AMX linears", "onednn": ", oneDNN linears", "avx2": ", AVX2 bf16 linears"}  # start-up line
 
 
 def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:

@@ -12,11 +12,15 @@ import torch
 
 from flatserve import LLM, SamplingParams
 from flatserve.attention.metadata import current_metadata
-from flatserve.model import amx, cpu_stack
+from flatserve.model import amx, avx2, cpu_stack
 from flatserve.model.layers import DecoderLayers
 
 needs_amx = pytest.mark.skipif(not amx.available(torch.bfloat16),
                                reason="no AMX bf16 (CPU, kernel build or OS grant) here")
+# The stack's GEMM: the AMX kernel or the AVX2 one (same op signature), each where it runs.
+GEMMS = [pytest.param("amx", marks=needs_amx),
+         pytest.param("avx2", marks=pytest.mark.skipif(
+             not avx2.available(torch.bfloat16), reason="no AVX2 + FMA or its kernel did not build here"))]
 
 
 def _layers(llm: LLM) -> DecoderLayers:
@@ -25,12 +29,12 @@ def _layers(llm: LLM) -> DecoderLayers:
     return found[0]
 
 
-@needs_amx
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("ngram", [0, 3])
-def test_stack_equals_python_layers(tiny_checkpoint, ngram: int) -> None:
+def test_stack_equals_python_layers(tiny_checkpoint, ngram: int, gemm: str) -> None:
     family, path, _ = tiny_checkpoint
     spec = dict(speculative_method="ngram", num_speculative_tokens=ngram) if ngram else {}
-    llm = LLM(model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=512,
+    llm = LLM(model=str(path), device="cpu", dtype="bfloat16", cpu_gemm=gemm, max_model_len=512,
               num_gpu_blocks_override=64, enable_prefix_caching=False, **spec)
     layers = _layers(llm)
     fast = layers.fast

@@ -52,8 +52,8 @@ using flatserve::decode::pack_qt;
 #endif
 #if defined(__AVX512F__)
 using flatserve::decode::pv_bf16_split;
-using flatserve::decode::split_acc_index;
 #endif
+using flatserve::decode::split_acc_index;
 
 // 16 fp32 lanes as one value (cpu_math.h). Written out because the plain loops below it ran at
 // ~4 FMAs per cycle (the compiler kept the accumulators in memory); head sizes are multiples of
@@ -131,7 +131,13 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
                 int64_t t1, const Dims& m, float* mx, float* den, float* acc, float* sc,
                 Ahead<T>& ahead, bool scored = false) {
   const int64_t d = m.d, bs = m.bs;
+#if defined(__AVX512F__)
   constexpr int NK = G > 4 ? 2 : 4;  // NK x G score accumulators stay within the 32 registers
+#else
+  // AVX2 has 16 registers and each 16-lane value takes two: NK x G <= 4 accumulators (8), with
+  // the NK K slices and one q slice. NK = 4 at G = 4 spilled 16 of its 32 halves to the stack.
+  constexpr int NK = G <= 2 ? 2 : 1;
+#endif
   int64_t t = scored ? t1 : t0;
   // The next block's share of rows for keys t0..t + NK of this one.
   auto share = [&](int64_t key) { return ((key + NK - t0) * ahead.rows + t1 - t0 - 1) / (t1 - t0); };
@@ -199,19 +205,26 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
   }
 #endif
   // Even and odd rows go to separate accumulators: with one chain per head the FMAs waited on
-  // each other's latency (4 cycles) and PV ran at one FMA per cycle.
+  // each other's latency (4 cycles) and PV ran at one FMA per cycle. On AVX2 (16 registers,
+  // two per 16-lane value) only up to 2 heads: 4 x 2 chains would not fit, and G >= 3 heads'
+  // chains are independent enough to cover the latency.
+#if defined(__AVX512F__)
+  constexpr bool kTwoChains = true;
+#else
+  constexpr bool kTwoChains = G <= 2;
+#endif
   for (int64_t c = 0; c < d; c += kLanes) {
     vf a[G], b[G] = {};
     for (int j = 0; j < G; ++j) a[j] = ld(acc + j * d + c) * corr[j];
     int64_t i = t0;
-    for (; i + 2 <= t1; i += 2) {
+    for (; kTwoChains && i + 2 <= t1; i += 2) {
       const vf v0 = cvt(vb + i * rs + c), v1 = cvt(vb + (i + 1) * rs + c);
       for (int j = 0; j < G; ++j) {
         a[j] += sc[j * bs + i] * v0;
         b[j] += sc[j * bs + i + 1] * v1;
       }
     }
-    if (i < t1) {
+    for (; i < t1; ++i) {
       const vf v0 = cvt(vb + i * rs + c);
       for (int j = 0; j < G; ++j) a[j] += sc[j * bs + i] * v0;
     }

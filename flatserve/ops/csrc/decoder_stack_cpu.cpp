@@ -42,11 +42,12 @@ struct Ops {
   using Decode = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                         const Tensor&, double, int64_t, double, const Tensor&,
                         const c10::optional<Tensor>&, const c10::optional<Tensor>&);
-  // fused: the element-wise ops' module, amx: the GEMM's, attn: the decode kernel's.
-  Ops(const std::string& fused, const std::string& amx, const std::string& attn)
+  // fused: the element-wise ops' module, gemm: the GEMM's ("module::op": the AMX kernel's
+  // amx_linear or the AVX2 kernel's avx2_linear, the same signature), attn: the decode kernel's.
+  Ops(const std::string& fused, const std::string& gemm, const std::string& attn)
       : rms_norm(find_op<Norm>(fused, "rms_norm")),
         rms_norm_pair(find_op<NormPair>(fused, "rms_norm_pair")),
-        linear(find_op<Linear>(amx, "amx_linear")),
+        linear(find_op<Linear>(gemm.substr(0, gemm.find("::")), gemm.substr(gemm.find("::") + 2).c_str())),
         qk_norm_rope(find_op<Rope>(fused, "qk_norm_rope")),
         write_kv(find_op<WriteKv>(attn, "write_kv")),
         paged_decode(find_op<Decode>(attn, "paged_decode")) {}
@@ -61,7 +62,7 @@ struct Ops {
 // One layer's tensors; an absent norm or bias is an empty tensor.
 struct Layer {
   Tensor in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm;
-  Tensor qkv, qkv_bias, o, o_bias, gate_up, down;  // packed AMX weights [N/64, K/32, 4, 16, 16, 2]
+  Tensor qkv, qkv_bias, o, o_bias, gate_up, down;  // packed weights (AMX or AVX2 layout)
   Tensor k_cache, v_cache;                          // [num_blocks, block_size, Hkv, D]
   double scale = 1.0, softcap = 0.0;
   int64_t window = 0, rope = 0;  // rope: index into the step's cos|sin tables
