@@ -217,6 +217,13 @@ def _gguf_formats(src: ModelSource, cfg: ModelConfig) -> dict[str, Any]:
     return {k.split("#")[0]: FORMATS[k.split("#")[1]] for k in keys if "#" in k}
 
 
+def _safetensors_keys(f: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as sf:
+        return list(sf.keys())
+
+
 def _iter_safetensors_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -228,14 +235,21 @@ def _iter_safetensors_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch.dtype,
                 device: torch.device, keep_quantized: bool = False) -> nn.Module:
     """`keep_quantized`: a GGUF's block-format tensors stay as stored (model/quant.py)."""
+    from flatserve.model import gptq
+    from flatserve.model.qformats import FORMATS
+    from flatserve.model.quant import swap_linears
+
     cls = get_model_class(cfg.architecture)
     quantized = src.is_gguf and keep_quantized
+    qc = None if src.is_gguf else gptq.config(hf_config)
     with torch.device("meta"):
         model = cls(cfg)
-        if quantized:  # the linears become QuantLinears before any dense weight exists
-            from flatserve.model.quant import swap_for_gguf
-
-            swap_for_gguf(model, _gguf_formats(src, cfg), dtype)
+        # The linears become QuantLinears before any dense weight exists.
+        if quantized:
+            swap_linears(model, _gguf_formats(src, cfg), dtype)
+        elif qc is not None:
+            names = [n for f in sorted(src.path.glob("*.safetensors")) for n in _safetensors_keys(f)]
+            swap_linears(model, {k: FORMATS[v] for k, v in gptq.formats(names).items()}, dtype)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty may have split them
@@ -247,6 +261,8 @@ def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch
         weights = _gguf_weights_cached(src, cfg, quantized)
     else:
         weights = _iter_safetensors(src.path)
+        if qc is not None:
+            weights = gptq.convert(weights, qc)
     try:
         with torch.no_grad():
             load_weights(model, weights)

@@ -14,6 +14,11 @@ blocks in order, exactly as llama.cpp stores a GGUF tensor. Block layouts (ggml-
   Q5_K (256, 176 B):      d | dmin | scales[12] | qh[32] | qs[128]; bit 4 of value l of sub-block j
                           is bit j of qh[l]
   Q6_K (256, 210 B):      ql[128] | qh[64] | scales int8[16] | d f16;  x = d * sc[i] * (q - 32), 16 per i
+
+and one of our own, for 4-bit GPTQ / AWQ checkpoints (model/gptq.py; no GGUF type has a zero point
+per 32 values with an fp16 scale):
+
+  Q4_G (32 values, 19 B): d f16 | z u8 | qs[16]      x = d * (q - z), nibbles as Q4_0
 """
 from __future__ import annotations
 
@@ -37,8 +42,10 @@ class Format:
 
 FORMATS = {f.name: f for f in (
     Format("q4_0", 2, 32, 18), Format("q5_0", 6, 32, 22), Format("q8_0", 8, 32, 34),
-    Format("q4_k", 12, 256, 144), Format("q5_k", 13, 256, 176), Format("q6_k", 14, 256, 210))}
-BY_GGML = {f.ggml_type: f for f in FORMATS.values()}
+    Format("q4_k", 12, 256, 144), Format("q5_k", 13, 256, 176), Format("q6_k", 14, 256, 210),
+    Format("q4_g", 100, 32, 19))}
+GGUF = frozenset({"q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k"})
+BY_GGML = {f.ggml_type: f for f in FORMATS.values() if f.name in GGUF}
 
 
 def _f16(b: torch.Tensor, off: int) -> torch.Tensor:  # [nb, >=off+2] uint8 -> [nb, 1] fp32
@@ -67,6 +74,10 @@ def _deq_blocks(b: torch.Tensor, fmt: Format) -> torch.Tensor:  # [nb, type_size
     nb = b.shape[0]
     if fmt.name == "q8_0":
         return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b, 0)
+    if fmt.name == "q4_g":
+        lo, hi = _nibbles(b[:, 3:19])
+        q = torch.cat([lo, hi], 1).to(torch.int16) - b[:, 2:3].to(torch.int16)  # [nb, 32]
+        return _f16(b, 0) * q.float()
     if fmt.name in ("q4_0", "q5_0"):
         lo, hi = _nibbles(b[:, -16:])
         q = torch.cat([lo, hi], 1)  # [nb, 32]
@@ -110,7 +121,9 @@ def quantize(w: torch.Tensor, fmt: Format, chunk: int = 4096) -> torch.Tensor:
     out = torch.empty(n, fmt.row_bytes(k), dtype=torch.uint8)
     for i in range(0, n, chunk):  # an fp32 copy of a 262k-row head at once would be 671 MB
         wf = w[i:i + chunk].float().cpu()
-        if fmt.name in ("q4_0", "q5_0", "q8_0"):
+        if fmt.name == "q4_g":
+            out[i:i + chunk] = _quantize_g(wf.reshape(-1, 32)).reshape(wf.shape[0], -1)
+        elif fmt.name in ("q4_0", "q5_0", "q8_0"):
             import gguf
 
             q = gguf.quants.quantize(wf.numpy(), gguf.GGMLQuantizationType(fmt.ggml_type))
@@ -118,6 +131,21 @@ def quantize(w: torch.Tensor, fmt: Format, chunk: int = 4096) -> torch.Tensor:
         else:
             out[i:i + chunk] = _quantize_k(wf.reshape(-1, 256), fmt).reshape(wf.shape[0], -1)
     return out
+
+
+def _quantize_g(x: torch.Tensor) -> torch.Tensor:
+    """[nb, 32] fp32 -> q4_g blocks: asymmetric min/max, x ~ d * (q - z)."""
+    lo, hi = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+    d = ((hi - lo) / 15).to(torch.float16).float()
+    z = torch.where(d > 0, torch.round(-lo / d.clamp(min=1e-30)), 0).clamp(0, 15)
+    q = torch.where(d[:, None] > 0, torch.round(x / d.clamp(min=1e-30)[:, None]) + z[:, None], 0).clamp(0, 15)
+    q = q.to(torch.uint8)
+    return pack_g(d, z.to(torch.uint8), q)
+
+
+def pack_g(d: torch.Tensor, z: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """scales [nb] (fp16-exact), zeros uint8 [nb], codes uint8 [nb, 32] -> q4_g blocks [nb, 19]."""
+    return torch.cat([_fp16_bytes(d), z.reshape(-1, 1), q[:, :16] | (q[:, 16:] << 4)], 1)
 
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:  # [nb] fp32 -> [nb, 2] uint8

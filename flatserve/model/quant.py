@@ -67,6 +67,8 @@ class QuantLinear(nn.Module):
         for i, (n, fmt) in enumerate(zip(rows, self.fmts)):
             self.register_buffer(f"qweight{i}", torch.empty(n, fmt.row_bytes(in_features), dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+        # GPTQ act-order: the input order the blocks are stored in (x[:, perm]); empty: as is.
+        self.register_buffer("perm", torch.empty(0, dtype=torch.int64))
         self.loaded: set[str] = set()
         self.use_kernel = True  # False: the torch reference (tests)
 
@@ -84,6 +86,12 @@ class QuantLinear(nn.Module):
             dst[row:row + n].copy_(raw)
         self.loaded.add(shard)
 
+    def load_perm(self, shard: str, perm: torch.Tensor) -> None:
+        """Every shard of a fused linear reads the same input, so it must share the order."""
+        if self.perm.numel() and not torch.equal(self.perm, perm):
+            raise ValueError(f"{shard}: its act-order permutation differs from its fused siblings'")
+        self.perm = perm.long()
+
     def missing(self) -> list[str]:
         return [s or "weight" for s in self.offsets if s not in self.loaded]
 
@@ -96,6 +104,19 @@ class QuantLinear(nn.Module):
         return sum(q.numel() for _, q in self.segments())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.perm.numel():
+            x = x.index_select(-1, self.perm)
+        if x.device.type == "cuda" and self.use_kernel and self._triton():
+            from flatserve.model import quant_triton
+
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+            col = 0
+            for fmt, q in self.segments():
+                quant_triton.qgemm(x2, q, fmt, y[:, col:col + q.shape[0]])
+                col += q.shape[0]
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         ext = kernel() if self.use_kernel and x.device.type == "cpu" else None
         if ext is None:
             y = self.reference(x)
@@ -111,6 +132,12 @@ class QuantLinear(nn.Module):
                 col += q.shape[0]
             y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _triton(self) -> bool:
+        """Every segment in a format the Triton kernel reads (the K formats: not yet)."""
+        from flatserve.model.quant_triton import KERNEL_FORMATS
+
+        return all(f.name in KERNEL_FORMATS for f in self.fmts)
 
     def reference(self, x: torch.Tensor, ext: object | None = None) -> torch.Tensor:
         """Dequantize slices of rows (SLICE_BYTES of fp32 in torch; DENSE_ROWS with the C++
@@ -145,6 +172,9 @@ class QuantEmbedding(nn.Module):
     def load_quant(self, shard: str, raw: torch.Tensor, fmt: Format) -> None:
         self.lin.load_quant(shard, raw, fmt)
 
+    def load_perm(self, shard: str, perm: torch.Tensor) -> None:
+        self.lin.load_perm(shard, perm)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         rows = self.lin.dequant_rows(ids)
         return rows if self.dtype is None else rows.to(self.dtype)
@@ -169,9 +199,9 @@ def quantize_model(model: nn.Module, name: str) -> None:
         model.model.embed_tokens = QuantEmbedding(model.lm_head, dtype)
 
 
-def swap_for_gguf(model: nn.Module, formats: dict[str, Format], dtype: torch.dtype) -> None:
-    """Before weights exist (meta): each linear whose every source tensor is stored in a kernel
-    format becomes a QuantLinear of those formats, and a quantized embedding a QuantEmbedding
+def swap_linears(model: nn.Module, formats: dict[str, Format], dtype: torch.dtype) -> None:
+    """Before weights exist (meta): each linear whose every source tensor is stored in a block
+    format (a GGUF's, or a GPTQ / AWQ checkpoint's converted to q4_g) becomes a QuantLinear of those formats, and a quantized embedding a QuantEmbedding
     (sharing the LM head's table where the two are tied). `formats`: HF weight name -> format."""
     from flatserve.model.layers import PackedLinear
 

@@ -43,7 +43,7 @@ def _path(model: torch.nn.Module, kernel: bool) -> Iterator[None]:
 
 
 def _logits_pair(llm: LLM, ids: list[int], chunk: int = 64) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    eng, bs = llm.engine, llm.engine.config.block_size
+    eng, bs = llm.engine, llm.config.block_size
     out = SchedulerOutput()
     out.scheduled.append(ScheduledRequest(Request("f", ids, SamplingParams(), 1), 0, len(ids),
                                           list(range(1, -(-len(ids) // bs) + 1))))
@@ -74,8 +74,9 @@ def _fidelity(llm: LLM, ids: list[int]) -> tuple[float, float]:
 
 
 def _llm(model: str, **kw) -> LLM:
-    return LLM(model=model, device="cpu", dtype="float32", max_model_len=TOKENS + 64,
-               num_gpu_blocks_override=TOKENS // 16 + 8, max_num_seqs=1, enforce_eager=True, **kw)
+    return LLM(model=model, device="cpu", dtype="float32", attention_backend="torch",
+               max_model_len=TOKENS + 64, num_gpu_blocks_override=TOKENS // 16 + 8, max_num_seqs=1,
+               enforce_eager=True, **kw)
 
 
 def test_default_gguf_q4_k_m_fidelity_on_real_text(default_model_path: Path) -> None:

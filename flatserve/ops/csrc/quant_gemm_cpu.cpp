@@ -38,7 +38,8 @@
 
 namespace {
 
-enum Fmt : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// GGML type ids; Q4_G (100) is ours: d f16 | zero u8 | 16 nibble bytes, x = d * (q - zero) (GPTQ/AWQ).
+enum Fmt : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_G = 100 };
 
 struct Layout { int block, type_size; bool mins; };
 
@@ -50,6 +51,7 @@ Layout layout(int fmt) {
     case Q4_K: return {256, 144, true};
     case Q5_K: return {256, 176, true};
     case Q6_K: return {256, 210, false};
+    case Q4_G: return {32, 19, false};
   }
   TORCH_CHECK(false, "quant_gemm: unknown format ", fmt);
 }
@@ -116,6 +118,19 @@ void unpack_block(const uint8_t* b, int fmt, int8_t* v, float* sc, float* mn) {
     case Q8_0: {
       sc[0] = sc[1] = h2f(b);
       std::memcpy(v, b + 2, 32);
+      return;
+    }
+    case Q4_G: {  // zero points up to 16 (GPTQ's stored + 1): q - z stays within int8
+      sc[0] = sc[1] = h2f(b);
+      const int z = b[2];
+#if QG_AVX2
+      st(v, _mm256_sub_epi8(nibbles_32(b + 3), _mm256_set1_epi8(static_cast<char>(z))));
+#else
+      for (int j = 0; j < 16; ++j) {
+        v[j] = static_cast<int8_t>((b[3 + j] & 0x0F) - z);
+        v[j + 16] = static_cast<int8_t>((b[3 + j] >> 4) - z);
+      }
+#endif
       return;
     }
     case Q4_0:
