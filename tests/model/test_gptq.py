@@ -115,15 +115,21 @@ def test_checkpoint_served_through_quantlinear(method, act_order, tmp_path: Path
                 (d / f.name).write_bytes(f.read_bytes())
     qsd, dsd = {}, {}
     rng = torch.Generator().manual_seed(7)
+    orders: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
         if name.endswith("_proj.weight"):
             prefix, (n, k) = name[: -len(".weight")], t.shape
-            g_idx = torch.arange(k) // 64
-            if act_order:
-                g_idx = g_idx[torch.randperm(k, generator=rng)]
+            # Linears reading one input (q|k|v, gate|up) share its act-order: GPTQ sorts by the
+            # input's Hessian diagonal.
+            proj = prefix.rsplit(".", 1)[1]
+            key = prefix.rsplit(".", 1)[0] + (proj if proj in ("o_proj", "down_proj") else "")
+            if key not in orders:
+                g = torch.arange(k) // 64
+                orders[key] = g[torch.randperm(k, generator=rng)] if act_order else g
+            g_idx = orders[key]
             q, z, s = _quantize_linear(t, 64, g_idx, method)
             qsd.update({f"{prefix}.{p}": v for p, v in pack(method, q, z, s, g_idx).items()})
-            dsd[name] = gptq.reference(q, z, s, g_idx)
+            dsd[name] = gptq.reference(q, z, s, g_idx).contiguous()
         else:
             qsd[name] = dsd[name] = t
     save_file(qsd, str(qdir / "model.safetensors"))
