@@ -30,15 +30,16 @@ _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def config(hf: Any) -> dict[str, Any] | None:
-    """The checkpoint's 4-bit GPTQ / AWQ settings, or None for a float checkpoint; anything else
-    quantized is refused with the reason."""
+    """The checkpoint's 4-bit GPTQ / AWQ settings; None for any other checkpoint (float, or a
+    method another loader handles: GPT-OSS's mxfp4 experts, model/moe.py). A GPTQ / AWQ layout
+    we cannot serve is refused with the reason."""
     qc = getattr(hf, "quantization_config", None)
     if qc is None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = str(qc.get("quant_method", "")).lower()
     if method not in ("gptq", "awq"):
-        raise ValueError(f"quantized checkpoint method {method!r} is not supported (4-bit GPTQ and AWQ are)")
+        return None
     bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
     if bits != 4 or not isinstance(group, int) or group % 32 or not 32 <= group <= 1024:
         raise ValueError(f"{method}: need 4 bits and a group size that is a multiple of 32, got bits "

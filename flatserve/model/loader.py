@@ -147,7 +147,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                     qowner.load_quant(shard, tensor, FORMATS[fmt])
                 continue
             if fmt == "perm":
-                raise ValueError(f"checkpoint tensor {name!r}: an input order for a linear that is not quantized")
+                raise ValueError(f"checkpoint tensor {name!r}: an input order for an unquantized linear")
             # No QuantLinear at this name (e.g. a MoE router kept as a plain weight): dense.
             f = FORMATS[fmt]
             tensor = dequantize(tensor, f, tensor.shape[1] // f.type_size * f.block)

@@ -68,8 +68,8 @@ def test_layouts_unpack_and_blocks_are_the_references_bits(method, act_order, gr
 
 
 def test_unsupported_configs_are_refused() -> None:
-    for qc, msg in (({"quant_method": "bitsandbytes"}, "not supported"),
-                    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "need 4 bits"),
+    assert gptq.config(type("C", (), {"quantization_config": {"quant_method": "mxfp4"}})()) is None
+    for qc, msg in (({"quant_method": "gptq", "bits": 8, "group_size": 128}, "need 4 bits"),
                     ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "multiple of 32"),
                     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "GEMM")):
         with pytest.raises(ValueError, match=msg):
