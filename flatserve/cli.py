@@ -34,8 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run the decoder layers from Python every step (no CUDA graphs, no CPU decoder stack)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on for CUDA)")
-    p.add_argument("--quantization", choices=["int8"], default=None,
-                   help="weight-only int8 (CPU): half the weight bytes per decode step")
+    p.add_argument("--quantization", choices=["q8_0", "q4_0", "int8"], default=None,
+                   help="float checkpoints: keep the weights in a GGUF block format (int8 = q8_0; "
+                        "a quarter / an eighth of fp32's bytes)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="GGUF: dequantize every tensor to --dtype at load (default: the stored "
+                        "block formats are served in place)")
     p.add_argument("--cpu-gemm", choices=["auto", "amx", "onednn", "avx2", "torch"], default="auto",
                    help="CPU bf16 linears: our AMX kernel, oneDNN pre-packed weights, our AVX2 "
                         "kernel (bf16 widened in registers), or plain torch (auto: the first "
@@ -79,7 +83,7 @@ def engine_config(a: argparse.Namespace, positional_model: str | None = None) ->
         num_gpu_blocks_override=a.num_gpu_blocks_override, os_reserve_gb=a.os_reserve_gb,
         gpu_memory_utilization=a.gpu_memory_utilization,
         enable_prefix_caching=a.enable_prefix_caching, enforce_eager=a.enforce_eager,
-        fused_ops=a.fused_ops, quantization=a.quantization, cpu_gemm=a.cpu_gemm,
+        fused_ops=a.fused_ops, quantization=a.quantization, dequantize=a.dequantize, cpu_gemm=a.cpu_gemm,
         copy_tied_lm_head=a.copy_tied_lm_head, greedy_int8_head=a.greedy_int8_head,
         async_scheduling=a.async_scheduling, seed=a.seed, chat_template=a.chat_template,
         speculative_method=a.speculative_method,

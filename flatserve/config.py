@@ -34,7 +34,10 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs and no CPU decoder stack (model/cpu_stack.py)
     async_scheduling: bool | None = None  # None: on for CUDA without speculation
     fused_ops: str = "auto"  # auto | none | comma list of rmsnorm,rope,act (flatserve/ops)
-    quantization: str | None = None  # None | "int8" (weight-only, CPU; flatserve/model/quant.py)
+    # Float checkpoints: None | q8_0 | q4_0 | int8 (= q8_0): weights kept in that GGUF block format
+    # (flatserve/model/quant.py). GGUF files keep their stored formats unless `dequantize`.
+    quantization: str | None = None
+    dequantize: bool = False  # GGUF: dequantize every tensor to `dtype` at load (the dense path)
     # CPU bf16 linears: auto | amx (our AMX kernel, flatserve/model/amx.py) | onednn (pre-packed
     # weights, flatserve/model/onednn.py) | torch. auto: amx, else onednn, else torch.
     cpu_gemm: str = "auto"
@@ -94,8 +97,11 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 (weight-only) or unset, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "q8_0", "q4_0"):
+            raise ValueError(f"quantization must be q8_0, q4_0 or int8 (= q8_0), or unset; got "
+                             f"{self.quantization!r}")
+        if self.quantization and self.dequantize:
+            raise ValueError("quantization and dequantize exclude each other")
         if self.cpu_gemm not in ("auto", "amx", "onednn", "avx2", "torch"):
             raise ValueError(f"cpu_gemm must be auto, amx, onednn, avx2 or torch, got {self.cpu_gemm!r}")
         self._validate_parallel()

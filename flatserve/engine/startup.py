@@ -47,6 +47,8 @@ class EngineState:
     fused_ops: frozenset[str] = frozenset()  # flatserve/ops kernels swapped in
     cpu_gemm: str = "torch"  # how linears run: amx | onednn (pre-packed, CPU bf16) | torch
     config: EngineConfig | None = None  # the config in force: step limits sized by the device
+    # Linears by weight format: format -> (segments, bytes); "dense" for unquantized linears.
+    weight_formats: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def max_model_len(self) -> int:
@@ -168,9 +170,6 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     dev.check_backend(backend, device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
     fused = ops.parse_fused_ops(cfg.fused_ops, backend)
-    if cfg.quantization and device.type != "cpu":
-        raise ValueError(f"quantization {cfg.quantization!r} is a CPU path (int8 GEMV kernel); "
-                         f"the device here is {device.type}")
     # The packed CPU linears (AMX, oneDNN) and the C++ decoder stack have no all-reduce inside.
     gemm = "torch" if tp is not None else _cpu_gemm(cfg, device, dtype)
     src, hf, mcfg = _model_config(cfg.model)
@@ -190,9 +189,11 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
         probe = parallel.host_share(probe, tp)
         mcfg = parallel.local_config(mcfg, tp.size)  # this rank's heads: its KV pool, its budget
         shard = functools.partial(parallel.shard_model, g=tp)
-    model, weights = _load_weights(src, hf, full, dtype, device, shard)
+    # Tensor parallelism shards dense weights: a GGUF is dequantized there.
+    keep = _keep_quantized(cfg, device) and tp is None
+    model, weights = _load_weights(src, hf, full, dtype, device, shard, keep)
     if cfg.quantization:
-        weights = _quantize(model, device)
+        weights = _quantize(model, device, cfg.quantization)
     if gemm != "torch":
         weights += _pack(model, device, gemm, cfg.copy_tied_lm_head)
     greedy = _greedy_head(model, mcfg, gemm) if cfg.greedy_int8_head else None
@@ -244,8 +245,11 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     draft_runner = None if draft is None else ModelRunner(
         draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend,
         on_demand=True, cpu_stack=not cfg.enforce_eager)
+    from flatserve.model.quant import summary
+
     state = EngineState(full, src, device, dtype, backend, budget,
-                        _eos_ids(mcfg, tokenizer, src), weights, fused, gemm, cfg)
+                        _eos_ids(mcfg, tokenizer, src), weights, fused, gemm, cfg,
+                        tuple((k, n, b) for k, (n, b) in sorted(summary(model).items())))
     return state, tokenizer, runner, draft_runner
 
 
@@ -256,26 +260,38 @@ def _model_config(model: str | None) -> tuple[ModelSource, Any, ModelConfig]:
     return src, hf, ModelConfig.from_hf(hf)
 
 
+def _keep_quantized(cfg: EngineConfig, device: torch.device) -> bool:
+    """GGUF block formats stay as stored unless --dequantize. CUDA keeps the dense path: its
+    quantized linears are the torch reference until the Triton kernels serve them."""
+    return not cfg.dequantize and device.type == "cpu"
+
+
+def _tensor_bytes(model: torch.nn.Module) -> int:
+    """Parameters and buffers (quantized weights are buffers), shared tensors counted once."""
+    seen = {t.data_ptr(): t.numel() * t.element_size()
+            for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(seen.values())
+
+
 def _load_weights(src: ModelSource, hf: Any, mcfg: ModelConfig, dtype: torch.dtype,
-                  device: torch.device, shard: Any = None) -> tuple[torch.nn.Module, int]:
+                  device: torch.device, shard: Any = None,
+                  keep_quantized: bool = False) -> tuple[torch.nn.Module, int]:
     before = dev.process_rss() if device.type != "cuda" else 0
-    model = build_model(src, hf, mcfg, dtype, device, shard)
+    model = build_model(src, hf, mcfg, dtype, device, shard, keep_quantized)
     dev.release_freed_memory(device)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = _tensor_bytes(model)
     if device.type != "cuda":  # what loading really left resident (allocator slack included)
         weights = max(weights, dev.process_rss() - before)
     return model, weights
 
 
-def _quantize(model: torch.nn.Module, device: torch.device) -> int:
-    """Weight-only int8 in place; -> the weights' bytes now (shared tensors counted once)."""
+def _quantize(model: torch.nn.Module, device: torch.device, name: str) -> int:
+    """--quantization: linears to block format `name` in place; -> the weights' bytes now."""
     from flatserve.model.quant import quantize_model
 
-    quantize_model(model)
+    quantize_model(model, name)
     dev.release_freed_memory(device)
-    seen = {t.data_ptr(): t.numel() * t.element_size()
-            for t in itertools.chain(model.parameters(), model.buffers())}
-    return sum(seen.values())
+    return _tensor_bytes(model)
 
 
 def _cpu_gemm(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
@@ -335,9 +351,9 @@ def _load_draft(cfg: EngineConfig, target: ModelConfig, dtype: torch.dtype, devi
     if mcfg.vocab_size > target.vocab_size:
         raise ValueError(f"draft model vocabulary ({mcfg.vocab_size}) is larger than the target's "
                          f"({target.vocab_size}): the two must share a tokenizer")
-    model, weights = _load_weights(src, hf, mcfg, dtype, device)
+    model, weights = _load_weights(src, hf, mcfg, dtype, device, keep_quantized=_keep_quantized(cfg, device))
     if cfg.quantization:
-        weights = _quantize(model, device)
+        weights = _quantize(model, device, cfg.quantization)
     if gemm != "torch":
         weights += _pack(model, device, gemm, cfg.copy_tied_lm_head)
     return model, mcfg, weights

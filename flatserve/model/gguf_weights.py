@@ -1,6 +1,8 @@
-"""GGUF tensors -> HF-named float32 tensors, dequantized with the `gguf` package."""
+"""GGUF tensors -> HF-named tensors: float32 (dequantized with the `gguf` package), or, for the
+block formats the quantized linears read in place (model/qformats.py), the stored bytes."""
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,26 +64,48 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: Path, n_head: int, n_kv_head: int) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: Path, n_head: int, n_kv_head: int, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+    """-> (HF name, tensor, format name or None). With `keep_quantized`, tensors in a kernel
+    format come as their bytes (uint8 [rows, row_bytes]) and every other quantized type is
+    dequantized, named once in a log line."""
     import gguf
     from gguf.quants import dequantize
+
+    from flatserve.model.qformats import BY_GGML
 
     reader = gguf.GGUFReader(str(path))  # ~12 s on 2 cores for a 262k-token vocab
     arch = _architecture(reader)
     if arch not in _BLOCK_NAMES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_BLOCK_NAMES)}")
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    others: dict[str, int] = {}
     for t in reader.tensors:
         hf = _hf_name(arch, t.name)
         if hf is None:
             continue  # e.g. rope_freqs, rope_factors_*: read into the config
         if ".experts." in hf or hf.endswith("sinks.weight"):  # stacks and sinks: no ".weight"
             hf = hf.replace(".weight", "").replace(".bias", "_bias")
-        w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
+        shape = tuple(reversed([int(x) for x in t.shape]))
+        fmt = BY_GGML.get(int(t.tensor_type)) if keep_quantized and len(shape) == 2 else None
+        if fmt is not None:
+            w = np.asarray(t.data).reshape(shape[0], -1)  # [rows, row_bytes] blocks
+        else:
+            if keep_quantized and t.tensor_type not in plain:
+                others[t.tensor_type.name] = others.get(t.tensor_type.name, 0) + 1
+            w = dequantize(t.data, t.tensor_type).reshape(shape)
         if arch in _PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
-            w = _unpermute(w, n_head if "q_proj" in hf else n_kv_head)
+            w = _unpermute(w, n_head if "q_proj" in hf else n_kv_head)  # whole rows: blocks too
         if arch in _SHIFTED_NORMS and hf.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms pre-shifted
-        yield hf, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        dtype = np.uint8 if fmt is not None else np.float32
+        w = np.array(w, dtype=dtype, order="C")  # own copy: the file's map is read-only
+        yield hf, torch.from_numpy(w), None if fmt is None else fmt.name
+    if others:
+        logging.getLogger("flatserve").warning(
+            "GGUF types without an in-place kernel, dequantized at load: %s",
+            ", ".join(f"{k} ({v} tensors)" for k, v in sorted(others.items())))
+
 
 
 

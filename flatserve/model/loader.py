@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -139,16 +140,39 @@ _PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
 
 
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the model, fusing q|k|v and gate|up; assert every shape."""
+    """Copy HF-named tensors into the model, fusing q|k|v and gate|up; assert every shape.
+    A name `W#fmt` is a block-format tensor (model/quant.py) for the QuantLinear at W's module."""
+    from flatserve.model.qformats import FORMATS, dequantize
+    from flatserve.model.quant import QuantLinear
+
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     # Modules that map checkpoint layouts themselves (the MoE block's expert stacks).
     hooks = {n: m for n, m in modules.items() if hasattr(m, "load_hf_tensor")}
     loaded: set[str] = set()
     for name, tensor in weights:
+        fmt = None
+        if "#" in name:
+            name, fmt = name.split("#")
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
         parts = name.split(".")
+        if fmt is not None:
+            shard, qparts = "", list(parts)
+            if len(qparts) >= 2 and qparts[-2] in _PACKED:
+                shard, qparts[-2] = qparts[-2], _PACKED[qparts[-2]]
+            qowner = modules.get(".".join(qparts[:-1]))
+            if qowner is not None and hasattr(qowner, "load_quant"):
+                if fmt == "perm":
+                    qowner.load_perm(shard, tensor)
+                else:
+                    qowner.load_quant(shard, tensor, FORMATS[fmt])
+                continue
+            if fmt == "perm":
+                raise ValueError(f"checkpoint tensor {name!r}: an input order for an unquantized linear")
+            # No QuantLinear at this name (e.g. a MoE router kept as a plain weight): dense.
+            f = FORMATS[fmt]
+            tensor = dequantize(tensor, f, tensor.shape[1] // f.type_size * f.block)
         owner = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
                       if ".".join(parts[:i]) in hooks), None) if hooks else None
         if owner is not None:
@@ -178,29 +202,53 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             param.data.copy_(tensor)
         loaded.add(name)
     missing = [n for n in params if n not in loaded and not any(k.startswith(n + ":") for k in loaded)]
+    missing += [f"{n}.{s}" for n, m in modules.items() if isinstance(m, QuantLinear) for s in m.missing()]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _gguf_weights_cached(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize once into the sidecar as fp32 safetensors; later starts read that (~1 s, not ~40 s)."""
+def _gguf_weights_cached(src: ModelSource, cfg: ModelConfig, quantized: bool
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The GGUF's tensors, read once into the sidecar as safetensors (later starts read that,
+    ~1 s, not ~40 s): fp32 (`quantized` False: all dequantized), or block-format tensors as
+    their bytes under `name#format` and the rest fp32."""
     side = gguf_sidecar(src.path)
-    cached = side / "dequantized.safetensors"
+    cached = side / ("quantized.safetensors" if quantized else "dequantized.safetensors")
     if not cached.exists():
         from safetensors.torch import save_file
 
         from flatserve.model.gguf_weights import iter_gguf_weights
 
         try:
-            tensors = dict(iter_gguf_weights(src.path, cfg.num_heads, cfg.num_kv_heads))
+            tensors = {n if f is None else f"{n}#{f}": t for n, t, f in
+                       iter_gguf_weights(src.path, cfg.num_heads, cfg.num_kv_heads, quantized)}
         except (ValueError, KeyError, IndexError, OSError) as e:
             raise ValueError(f"cannot read GGUF weights from {str(src.path)!r}: {e}") from None
-        tmp = side / "dequantized.safetensors.tmp"
+        tmp = cached.with_name(cached.name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, cached)
-        yield from tensors.items()
-        return
     yield from _iter_safetensors_file(cached)
+
+
+def _gguf_formats(src: ModelSource, cfg: ModelConfig) -> dict[str, Any]:
+    """HF weight name -> block format, for the GGUF's tensors kept quantized."""
+    from safetensors import safe_open
+
+    from flatserve.model.qformats import FORMATS
+
+    for _ in _gguf_weights_cached(src, cfg, True):
+        break  # builds the sidecar file on the first start
+    side = gguf_sidecar(src.path) / "quantized.safetensors"
+    with safe_open(str(side), framework="pt") as sf:
+        keys = list(sf.keys())
+    return {k.split("#")[0]: FORMATS[k.split("#")[1]] for k in keys if "#" in k}
+
+
+def _safetensors_keys(f: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as sf:
+        return list(sf.keys())
 
 
 def _iter_safetensors_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -212,24 +260,40 @@ def _iter_safetensors_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch.dtype,
-                device: torch.device, shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
-    """`shard` (tensor parallelism) swaps in this rank's layers while they are still on meta."""
+                device: torch.device, shard: Callable[[nn.Module], None] | None = None,
+                keep_quantized: bool = False) -> nn.Module:
+    """`shard` (tensor parallelism) swaps in this rank's layers while they are still on meta;
+    `keep_quantized`: a GGUF's block-format tensors stay as stored (model/quant.py)."""
+    from flatserve.model import gptq
+    from flatserve.model.qformats import FORMATS
+    from flatserve.model.quant import swap_linears
+
     cls = get_model_class(cfg.architecture)
+    quantized = src.is_gguf and keep_quantized
+    qc = None if src.is_gguf else gptq.config(hf_config)
     with torch.device("meta"):
         model = cls(cfg)
+        # The linears become QuantLinears before any dense weight exists.
+        if quantized:
+            swap_linears(model, _gguf_formats(src, cfg), dtype)
+        elif qc is not None:
+            names = [n for f in sorted(src.path.glob("*.safetensors")) for n in _safetensors_keys(f)]
+            swap_linears(model, {k: FORMATS[v] for k, v in gptq.formats(names).items()}, dtype)
         if shard is not None:
             shard(model)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:  # to_empty may have split the shared parameter
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty may have split them
     for m in model.modules():  # non-persistent buffers come back empty from to_empty
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
     share_rope_tables(model)
     if src.is_gguf:
-        weights = _gguf_weights_cached(src, cfg)
+        weights = _gguf_weights_cached(src, cfg, quantized)
     else:
         weights = _iter_safetensors(src.path)
+        if qc is not None:
+            weights = gptq.convert(weights, qc)
     try:
         with torch.no_grad():
             load_weights(model, weights)
@@ -238,6 +302,7 @@ def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch
     # Adopted tensors are file-backed (mmap): fault them in now, so their pages count as
     # weights in the budget rather than as activation peak later (the OS may still reclaim them).
     with torch.no_grad():
-        for prm in model.parameters():
-            prm.data.view(-1)[:: max(1, 4096 // prm.element_size())].sum()
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if t.numel():
+                t.data.view(-1)[:: max(1, 4096 // t.element_size())].sum()
     return model.eval()

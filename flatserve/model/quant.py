@@ -1,80 +1,249 @@
-"""Weight-only int8 (`--quantization int8`): per-output-channel symmetric int8 weights.
+"""Linears whose weights stay in a GGUF block format (flatserve/model/qformats.py): a GGUF's own
+tensors served as stored (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, any mix as in Q4_K_M files), and
+`--quantization q8_0 | q4_0 | int8` for float checkpoints (int8 is q8_0: 8-bit codes with one
+scale per 32 values, the same code path).
 
-Why: a CPU decode step is weight-read bound and torch's bf16 GEMV runs at ~12 GB/s on the dev
-box (a third of its copy bandwidth), while `torch._weight_int8pack_mm` reads half the bytes and
-ran 1.7x (262k x 640 LM head, 1 row: 26.7 -> 15.6 ms) to 5x (640 x 1536, 1 row: 0.36 -> 0.07 ms)
-faster (`benchmarks/cpu_gemv.py`; the end-to-end figures are in docs/benchmarks/cpu.md). Only the int8
-copy is kept (weights take half the RAM of bf16); calls with many rows (prefill chunks)
-dequantize 4 MiB slices of rows on the fly and run the dense matmul, so every path computes
-with the same int8 weights and batch size never changes which weights a request sees.
-Error: |w - w_q| <= max|w_row| / 254 per element.
+Why: a CPU decode step is weight-read bound. Dequantized to bf16 the default model reads 2-4x the
+bytes per token of its Q4_K_M file and holds 2-3x the memory (issue #30's figures).
+
+A `QuantLinear` holds its rows as segments of one format each (q|k|v or gate|up fuse at load,
+and a Q4_K_M file may store v in Q8_0 beside q and k in Q5_0). On the CPU the C++ kernel
+(ops/csrc/quant_gemm_cpu.cpp) reads the blocks in place, with activations quantized to 8 bits per
+32 values as llama.cpp does; elsewhere, or without a compiler, `reference` dequantizes slices in
+torch and runs the dense matmul. A tied LM head and the embedding share one table: the embedding
+dequantizes the rows it looks up.
 """
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import torch
 from torch import nn
 
-# At most this many rows use the int8 GEMV kernel: at 16 rows it lost to bf16 in
-# benchmarks/cpu_gemv.py (LM head 112 ms int8pack vs 47 ms bf16).
-GEMV_ROWS = 4
-SLICE_BYTES = 4 << 20
+from flatserve import device as dev
+from flatserve.model.qformats import FORMATS, Format, dequantize, quantize
+
+log = logging.getLogger("flatserve")
+
+_SRC = Path(__file__).parents[1] / "ops" / "csrc" / "quant_gemm_cpu.cpp"
+_ext = dev.CpuExtension("flatserve_quant_gemm_cpu", str(_SRC),
+                        "quantized linears dequantize slices in torch")
+SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
+# From this many rows on, the kernel dequantizes DENSE_ROWS weight rows at a time (C++, the
+# reference's bits) and torch's dense GEMM runs on them: the int8 dot spends ~7 AVX2
+# instructions per 32 products, fp32 FMA 4, so prompt chunks are compute-bound either way and
+# the dense GEMM computes with unquantized activations.
+PROMPT_ROWS = 32
+DENSE_ROWS = 256
+QUANTIZATIONS = ("int8", "q8_0", "q4_0")  # --quantization for float checkpoints
 
 
-def quantize_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], scales [N] fp32): w ~= q * scale[:, None].
-
-    In chunks of rows: an fp32 copy of the 262k-row LM head alone would be 671 MB of peak RAM."""
-    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    for i in range(0, w.shape[0], chunk):
-        wf = w[i:i + chunk].float()
-        s = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q[i:i + chunk] = torch.round(wf / s[:, None]).clamp_(-127, 127).to(torch.int8)
-        scale[i:i + chunk] = s
-    return q, scale
+def kernel() -> object | None:
+    return _ext()
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> None:
+class QuantLinear(nn.Module):
+    """y = x @ W^T (+ bias), W [N, K] as row segments of GGUF blocks (uint8 buffers `qweight{i}`).
+
+    `shards`: name -> (rows, format), in output order ("" for a plain linear); consecutive shards
+    of one format share a segment."""
+
+    def __init__(self, in_features: int, shards: dict[str, tuple[int, Format]],
+                 bias: bool = False) -> None:
         super().__init__()
-        self.register_buffer("qweight", q)  # [N, K] int8
-        self.register_buffer("scales", scale.to(dtype))  # [N]
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.in_features = in_features
+        self.out_features = sum(r for r, _ in shards.values())
+        self.fmts: list[Format] = []
+        self.offsets: dict[str, tuple[int, int, int]] = {}  # shard -> (segment, first row, rows)
+        rows: list[int] = []
+        for name, (n, fmt) in shards.items():
+            if not self.fmts or self.fmts[-1] != fmt:
+                self.fmts.append(fmt)
+                rows.append(0)
+            self.offsets[name] = (len(self.fmts) - 1, rows[-1], n)
+            rows[-1] += n
+        for i, (n, fmt) in enumerate(zip(rows, self.fmts)):
+            self.register_buffer(f"qweight{i}", torch.empty(n, fmt.row_bytes(in_features), dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+        # GPTQ act-order: the input order the blocks are stored in (x[:, perm]); empty: as is.
+        self.register_buffer("perm", torch.empty(0, dtype=torch.int64))
+        self.loaded: set[str] = set()
+        self.use_kernel = True  # False: the torch reference (tests)
 
-    def dequant(self, rows: slice | torch.Tensor) -> torch.Tensor:
-        return self.qweight[rows].to(self.scales.dtype) * self.scales[rows, None]
+    def segments(self) -> list[tuple[Format, torch.Tensor]]:
+        return [(f, getattr(self, f"qweight{i}")) for i, f in enumerate(self.fmts)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        if x.shape[0] <= GEMV_ROWS and x.device.type == "cpu":
-            y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
+    def load_quant(self, shard: str, raw: torch.Tensor, fmt: Format) -> None:
+        seg, row, n = self.offsets[shard]
+        dst = getattr(self, f"qweight{seg}")
+        assert fmt == self.fmts[seg] and raw.shape == (n, dst.shape[1]), \
+            f"{shard or 'weight'}: {fmt.name} {tuple(raw.shape)} != {self.fmts[seg].name} ({n}, {dst.shape[1]})"
+        if n == dst.shape[0] and raw.is_contiguous():
+            setattr(self, f"qweight{seg}", raw)  # adopt: no second copy
         else:
-            N, K = self.qweight.shape
-            step = max(1, SLICE_BYTES // (K * self.scales.element_size()))
-            y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-            for i in range(0, N, step):
-                y[:, i:i + step] = x @ self.dequant(slice(i, i + step)).t()
+            dst[row:row + n].copy_(raw)
+        self.loaded.add(shard)
+
+    def load_perm(self, shard: str, perm: torch.Tensor) -> None:
+        """Every shard of a fused linear reads the same input, so it must share the order."""
+        if self.perm.numel() and not torch.equal(self.perm, perm):
+            raise ValueError(f"{shard}: its act-order permutation differs from its fused siblings'")
+        self.perm = perm.long()
+
+    def missing(self) -> list[str]:
+        return [s or "weight" for s in self.offsets if s not in self.loaded]
+
+    def dequant_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as fp32 [len(ids), K] (single-segment tables: the embedding)."""
+        assert len(self.fmts) == 1
+        return dequantize(self.qweight0[ids], self.fmts[0], self.in_features)
+
+    def weight_bytes(self) -> int:
+        return sum(q.numel() for _, q in self.segments())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.perm.numel():
+            x = x.index_select(-1, self.perm)
+        if x.device.type == "cuda" and self.use_kernel and self._triton():
+            from flatserve.model import quant_triton
+
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+            col = 0
+            for fmt, q in self.segments():
+                quant_triton.qgemm(x2, q, fmt, y[:, col:col + q.shape[0]])
+                col += q.shape[0]
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        ext = kernel() if self.use_kernel and x.device.type == "cpu" else None
+        if ext is None:
+            y = self.reference(x)
+        elif x.numel() >= PROMPT_ROWS * self.in_features:
+            y = self.reference(x, ext)
+        else:
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            acts = ext.quantize_act(x2)  # int8 codes [T, K], scale and scaled sum per 32 values
+            y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
+            col = 0
+            for fmt, q in self.segments():
+                ext.gemm(*acts, q, fmt.ggml_type, y, col)
+                col += q.shape[0]
+            y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def _triton(self) -> bool:
+        """Every segment in a format the Triton kernel reads (the K formats: not yet)."""
+        from flatserve.model.quant_triton import KERNEL_FORMATS
 
-class Int8Embedding(nn.Module):
-    """Row lookup from an Int8Linear's weights (tied embedding and LM head share one copy)."""
+        return all(f.name in KERNEL_FORMATS for f in self.fmts)
 
-    def __init__(self, lin: Int8Linear) -> None:
+    def reference(self, x: torch.Tensor, ext: object | None = None) -> torch.Tensor:
+        """Dequantize slices of rows (SLICE_BYTES of fp32 in torch; DENSE_ROWS with the C++
+        kernel, the same bits) and run the dense matmul in x's dtype."""
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        step = DENSE_ROWS if ext is not None else max(1, SLICE_BYTES // (4 * self.in_features))
+        buf = torch.empty(step, self.in_features, dtype=x.dtype) if ext is not None else None
+        col = 0
+        for fmt, q in self.segments():
+            for i in range(0, q.shape[0], step):
+                if buf is not None:
+                    w = buf[:min(step, q.shape[0] - i)]
+                    ext.dequant(q[i:i + step], fmt.ggml_type, w)
+                else:
+                    w = dequantize(q[i:i + step], fmt, self.in_features).to(x.dtype)
+                y[..., col + i:col + i + w.shape[0]] = x @ w.t()
+            col += q.shape[0]
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, " + \
+            "|".join(f"{f.name}:{q.shape[0]}" for f, q in self.segments())
+
+
+class QuantEmbedding(nn.Module):
+    """Row lookup that dequantizes a QuantLinear's rows (a tied LM head shares the table)."""
+
+    def __init__(self, lin: QuantLinear, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.lin = lin
+        self.lin, self.dtype = lin, dtype
+
+    def load_quant(self, shard: str, raw: torch.Tensor, fmt: Format) -> None:
+        self.lin.load_quant(shard, raw, fmt)
+
+    def load_perm(self, shard: str, perm: torch.Tensor) -> None:
+        self.lin.load_perm(shard, perm)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        return self.lin.dequant(ids)
+        rows = self.lin.dequant_rows(ids)
+        return rows if self.dtype is None else rows.to(self.dtype)
 
 
-def quantize_model(model: nn.Module) -> None:
-    """Swap every nn.Linear (decoder projections and the LM head) for Int8Linear in place."""
-    tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", 0)
+def quantize_model(model: nn.Module, name: str) -> None:
+    """`--quantization`: every nn.Linear (decoder projections, LM head) to QuantLinear in place;
+    a tied embedding reads the head's table. int8 is q8_0."""
+    fmt = FORMATS["q8_0" if name == "int8" else name]
+    emb = model.model.embed_tokens
+    tied = getattr(model.lm_head, "weight", None) is getattr(emb, "weight", 0)
+    dtype = emb.weight.dtype
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                q, s = quantize_rows(child.weight.data)
-                setattr(parent, name, Int8Linear(q, s, child.bias, child.weight.dtype))
-    if tied:
-        model.model.embed_tokens = Int8Embedding(model.lm_head)
+        for cname, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % fmt.block == 0:
+                lin = QuantLinear(child.in_features, {"": (child.out_features, fmt)}, child.bias is not None)
+                lin.load_quant("", quantize(child.weight.data, fmt), fmt)
+                if child.bias is not None:
+                    lin.bias = nn.Parameter(child.bias.detach(), requires_grad=False)
+                setattr(parent, cname, lin)
+    if tied and isinstance(model.lm_head, QuantLinear):
+        model.model.embed_tokens = QuantEmbedding(model.lm_head, dtype)
+
+
+def swap_linears(model: nn.Module, formats: dict[str, Format], dtype: torch.dtype) -> None:
+    """Before weights exist (meta): each linear whose every source tensor is stored in a block
+    format (a GGUF's, or a GPTQ / AWQ checkpoint's converted to q4_g) becomes a QuantLinear of those formats, and a quantized embedding a QuantEmbedding
+    (sharing the LM head's table where the two are tied). `formats`: HF weight name -> format."""
+    from flatserve.model.layers import PackedLinear
+
+    tied = model.cfg.tie_word_embeddings
+    for parent_name, parent in list(model.named_modules()):
+        for cname, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            base = f"{parent_name}.{cname}" if parent_name else cname
+            if isinstance(child, PackedLinear):
+                names = {s: f"{parent_name}.{s}.weight" for s in child.offsets}
+                rows = {s: n for s, (_, n) in child.offsets.items()}
+            else:
+                src = "model.embed_tokens.weight" if base == "lm_head" and tied else f"{base}.weight"
+                names, rows = {"": src}, {"": child.out_features}
+            if all(n in formats for n in names.values()):
+                shards = {s: (rows[s], formats[n]) for s, n in names.items()}
+                setattr(parent, cname, QuantLinear(child.in_features, shards, child.bias is not None))
+    emb = model.model.embed_tokens
+    fmt = formats.get("model.embed_tokens.weight")
+    if fmt is not None:
+        lin = model.lm_head if tied and isinstance(model.lm_head, QuantLinear) else \
+            QuantLinear(emb.embedding_dim, {"": (emb.num_embeddings, fmt)})
+        model.model.embed_tokens = QuantEmbedding(lin, dtype)
+
+
+def summary(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """format -> (linear segments, bytes) over the QuantLinears, a shared table counted once;
+    "dense" -> (other linears, their weights' bytes)."""
+    out: dict[str, tuple[int, int]] = {}
+    seen: set[int] = set()
+    for m in model.modules():
+        pairs = m.segments() if isinstance(m, QuantLinear) else \
+            [("dense", m.weight)] if isinstance(m, nn.Linear) else []
+        for fmt, t in pairs:
+            name = fmt if isinstance(fmt, str) else fmt.name
+            new = t.data_ptr() not in seen
+            seen.add(t.data_ptr())
+            n, b = out.get(name, (0, 0))
+            out[name] = (n + 1, b + (t.numel() * t.element_size() if new else 0))
+    return out
+
+
+def describe(formats: dict[str, tuple[int, int]]) -> str:
+    """'q4_k x 27 (9.7 MiB), q5_0 x 36 (...)': the start-up line's weight formats."""
+    return ", ".join(f"{k} x {n} ({b / 2**20:.1f} MiB)" for k, (n, b) in sorted(formats.items()))

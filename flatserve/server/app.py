@@ -79,6 +79,7 @@ class ServerState:
         self.metrics.set_budget({"total": b.total, "reserve": b.reserve, "runtime": b.runtime,
                                  "weights": b.weights, "peak_activations": b.peak,
                                  "kv_budget": b.kv_budget, "kv_token_capacity": b.token_capacity})
+        self.metrics.set_weights(engine.state.weight_formats)
         self.metrics.update(engine.stats())
 
 
@@ -167,6 +168,14 @@ def build_app(state: ServerState) -> FastAPI:
 _GEMM_NAMES = {"amx": ", AMX linears", "onednn": ", oneDNN linears", "avx2": ", AVX2 bf16 linears"}  # start-up line
 
 
+def _weights_text(s: Any) -> str:
+    """'q4_k x 27 (9.7 MiB), ..., dense x 0 (...); 241.0 MiB': each linear format, then all
+    weights' bytes (norms and anything unquantized included)."""
+    from flatserve.model.quant import describe
+
+    return f"{describe({k: (n, b) for k, n, b in s.weight_formats})}; {s.weights_bytes / 2**20:.1f} MiB"
+
+
 def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
     state = ServerState(cfg, args.api_key)
     app = build_app(state)
@@ -174,7 +183,7 @@ def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
     s = state.engine.state
     print(f"flatserve {flatserve.__version__}: model {state.model_name} ({s.model.architecture}), "
           f"dtype {str(s.dtype).replace('torch.', '')}"
-          f"{' (weights ' + cfg.quantization + ')' if cfg.quantization else ''}, device {s.device}, "
+          f", weights {_weights_text(s)}, device {s.device}, "
           f"backend {s.backend}{', fused ' + ','.join(sorted(s.fused_ops)) if s.fused_ops else ''}"
           f"{_GEMM_NAMES.get(s.cpu_gemm, '')}"
           f"{', async scheduling' if state.engine.async_mode else ''}"

@@ -24,7 +24,16 @@ class Metrics:
         self.itl = Histogram("flatserve_inter_token_latency_seconds", "ITL", buckets=_LAT, registry=r)
         self.e2e = Histogram("flatserve_e2e_request_latency_seconds", "End-to-end latency", buckets=_LAT, registry=r)
         self.budget = Gauge("flatserve_memory_budget_bytes", "Memory budget terms", ["term"], registry=r)
+        self.weight_bytes = Gauge("flatserve_weight_bytes", "Linear weights' bytes by storage format "
+                                  "(q4_k, q8_0, ..., dense)", ["format"], registry=r)
+        self.weight_linears = Gauge("flatserve_weight_linears", "Linear weight segments by storage "
+                                    "format", ["format"], registry=r)
         self._last: dict[str, int] = {}
+
+    def set_weights(self, formats: tuple[tuple[str, int, int], ...]) -> None:
+        for name, n, nbytes in formats:
+            self.weight_bytes.labels(format=name).set(nbytes)
+            self.weight_linears.labels(format=name).set(n)
 
     def set_budget(self, terms: dict[str, int]) -> None:
         for k, v in terms.items():

@@ -218,7 +218,9 @@ def test_auth_and_open_routes(server) -> None:
                  "flatserve_prompt_tokens_total", "flatserve_generation_tokens_total",
                  "flatserve_time_to_first_token_seconds_bucket",
                  "flatserve_inter_token_latency_seconds_bucket",
-                 "flatserve_e2e_request_latency_seconds_bucket", 'flatserve_memory_budget_bytes{term="weights"}'):
+                 "flatserve_e2e_request_latency_seconds_bucket", 'flatserve_memory_budget_bytes{term="weights"}',
+                 # the default GGUF's stored Q4_K_M mix, served in place
+                 'flatserve_weight_bytes{format="q4_k"}', 'flatserve_weight_linears{format="q6_k"}'):
         assert name in text, name
 
 
@@ -249,3 +251,4 @@ def test_sigterm_mid_stream_ends_streams_and_exits_zero(default_model_path) -> N
     assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
     out = proc.stdout.read()
     assert "flatserve 0.1.0: model" in out and "KV " in out and f"http://127.0.0.1:{port}" in out
+    assert "weights q4_k x " in out and "q6_k x " in out and " MiB" in out  # formats, bytes

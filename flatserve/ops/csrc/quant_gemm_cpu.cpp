@@ -1,0 +1,440 @@
+// Linears on GGUF block weights read in place (flatserve/model/quant.py): Q4_0, Q5_0, Q8_0, Q4_K,
+// Q5_K, Q6_K, any row count (decode steps of 1-16 rows, prompt chunks of thousands).
+//
+// How (the scheme llama.cpp's CPU backend uses, written from its published block layouts):
+// activations are quantized per 32 values to int8 with one fp32 scale (`quantize_act`), and each
+// weight block is dotted against them in int8 -> int32, scaled once per 16 or 32 values. One
+// weight row at a time is unpacked from its blocks into a common form that every format fits:
+//
+//   v[K] int8          the value codes (signed: q - 8, q - 16, q - 32; unsigned for Q4_K/Q5_K's
+//                      q in 0..31, which fits int8 too)
+//   sc[K/16] fp32      the scale of each 16 values (d, or d * sub-block scale)
+//   mn[K/32] fp32      K formats' per-sub-block offsets (dmin * m), 0 elsewhere
+//
+//   y[m, n] = sum_b xd[m, b] * (sc[2b] * <v, xq>_{b, 0:16} + sc[2b+1] * <v, xq>_{b, 16:32})
+//             - sum_b mn[b] * xs[m, b]                       (xs[m, b] = xd[m, b] * sum xq_b)
+//
+// The unpacked row (K bytes + K/8 floats) stays in L1 and serves every activation row of the
+// call, so a 16-row decode step reads each weight block from memory once. AVX2 (+FMA, F16C):
+// unpack and dot per 32 values in 256-bit registers, the int8 products by the sign trick
+// (maddubs(|w|, sign(x, w))). Without AVX2 the same arithmetic runs in plain C++.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QG_AVX2 1
+#else
+#define QG_AVX2 0
+#endif
+
+namespace {
+
+// GGML type ids; Q4_G (100) is ours: d f16 | zero u8 | 16 nibble bytes, x = d * (q - zero) (GPTQ/AWQ).
+enum Fmt : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_G = 100 };
+
+struct Layout { int block, type_size; bool mins; };
+
+Layout layout(int fmt) {
+  switch (fmt) {
+    case Q4_0: return {32, 18, false};
+    case Q5_0: return {32, 22, false};
+    case Q8_0: return {32, 34, false};
+    case Q4_K: return {256, 144, true};
+    case Q5_K: return {256, 176, true};
+    case Q6_K: return {256, 210, false};
+    case Q4_G: return {32, 19, false};
+  }
+  TORCH_CHECK(false, "quant_gemm: unknown format ", fmt);
+}
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if QG_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while (!(m & 0x400));
+      bits = sign | ((112 - e) << 23) | ((m & 0x3FF) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes.
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+#if QG_AVX2
+inline __m256i nibbles_32(const uint8_t* qs) {  // 16 bytes -> 32 values: low nibbles, then high
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+inline __m256i bits_to_0x10(uint32_t bits) {  // bit i -> byte i = 0x10 or 0
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
+  x = _mm256_cmpeq_epi8(_mm256_and_si256(x, sel), sel);
+  return _mm256_and_si256(x, _mm256_set1_epi8(0x10));
+}
+inline void st(int8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i ld(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+
+// One stored block -> its values' codes v, 16-value scales sc and 32-value offsets mn.
+void unpack_block(const uint8_t* b, int fmt, int8_t* v, float* sc, float* mn) {
+  switch (fmt) {
+    case Q8_0: {
+      sc[0] = sc[1] = h2f(b);
+      std::memcpy(v, b + 2, 32);
+      return;
+    }
+    case Q4_G: {  // zero points up to 16 (GPTQ's stored + 1): q - z stays within int8
+      sc[0] = sc[1] = h2f(b);
+      const int z = b[2];
+#if QG_AVX2
+      st(v, _mm256_sub_epi8(nibbles_32(b + 3), _mm256_set1_epi8(static_cast<char>(z))));
+#else
+      for (int j = 0; j < 16; ++j) {
+        v[j] = static_cast<int8_t>((b[3 + j] & 0x0F) - z);
+        v[j + 16] = static_cast<int8_t>((b[3 + j] >> 4) - z);
+      }
+#endif
+      return;
+    }
+    case Q4_0:
+    case Q5_0: {
+      sc[0] = sc[1] = h2f(b);
+      const uint8_t* qs = b + (fmt == Q4_0 ? 2 : 6);
+      uint32_t qh = 0;
+      if (fmt == Q5_0) std::memcpy(&qh, b + 2, 4);
+#if QG_AVX2
+      __m256i q = nibbles_32(qs);
+      if (fmt == Q5_0) q = _mm256_or_si256(q, bits_to_0x10(qh));
+      st(v, _mm256_sub_epi8(q, _mm256_set1_epi8(fmt == Q4_0 ? 8 : 16)));
+#else
+      const int off = fmt == Q4_0 ? 8 : 16;
+      for (int j = 0; j < 16; ++j) {
+        v[j] = static_cast<int8_t>(((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) - off);
+        v[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
+      }
+#endif
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const float d = h2f(b), dmin = h2f(b + 2);
+      uint8_t s[8], m[8];
+      k_scales(b + 4, s, m);
+      for (int j = 0; j < 8; ++j) {
+        sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s[j]);
+        mn[j] = dmin * static_cast<float>(m[j]);
+      }
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (fmt == Q4_K ? 16 : 48);
+#if QG_AVX2
+      const __m256i m4 = _mm256_set1_epi8(0x0F), h = ld(qh), x10 = _mm256_set1_epi8(0x10);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i q = ld(qs + 32 * i);
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (fmt == Q5_K) {  // bit j of qh[l]: bit 4 of value l of sub-block j
+          const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * i)));
+          const __m256i b1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * i + 1)));
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), x10));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), x10));
+        }
+        st(v + 64 * i, lo);
+        st(v + 64 * i + 32, hi);
+      }
+#else
+      for (int i = 0; i < 4; ++i)
+        for (int l = 0; l < 32; ++l) {
+          int lo = qs[32 * i + l] & 0x0F, hi = qs[32 * i + l] >> 4;
+          if (fmt == Q5_K) {
+            lo |= ((qh[l] >> (2 * i)) & 1) << 4;
+            hi |= ((qh[l] >> (2 * i + 1)) & 1) << 4;
+          }
+          v[64 * i + l] = static_cast<int8_t>(lo);
+          v[64 * i + 32 + l] = static_cast<int8_t>(hi);
+        }
+#endif
+      return;
+    }
+    case Q6_K: {
+      const float d = h2f(b + 208);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+      for (int i = 0; i < 16; ++i) sc[i] = d * static_cast<float>(scales[i]);
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* ql = b + 64 * half;
+        const uint8_t* qh = b + 128 + 32 * half;
+        int8_t* o = v + 128 * half;
+#if QG_AVX2
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+        const __m256i l0 = ld(ql), l1 = ld(ql + 32), h = ld(qh);
+        auto hi2 = [&](int shift) {
+          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), m3), 4);
+        };
+        st(o, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m4), hi2(0)), k32));
+        st(o + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m4), hi2(2)), k32));
+        st(o + 64, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi2(4)), k32));
+        st(o + 96, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi2(6)), k32));
+#else
+        for (int l = 0; l < 32; ++l) {
+          o[l] = static_cast<int8_t>(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+          o[l + 32] = static_cast<int8_t>(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+          o[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+          o[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+#endif
+      }
+      return;
+    }
+  }
+}
+
+struct Unpacked {  // one weight row in the common form
+  int8_t* v;
+  float* sc;
+  float* mn;
+};
+
+void unpack_row(const uint8_t* src, const Layout& L, int fmt, int64_t K, Unpacked r) {
+  const int64_t nb = K / L.block;
+  for (int64_t i = 0; i < nb; ++i)
+    unpack_block(src + i * L.type_size, fmt, r.v + i * L.block, r.sc + i * (L.block / 16),
+                 r.mn + i * (L.block / 32));
+}
+
+struct Acts {  // activations quantized per 32 values
+  const int8_t* q;   // [M, K]
+  const float* d;    // [M, K/32]
+  const float* s;    // [M, K/32]: d * sum of the block's codes
+  int64_t K;
+};
+
+// MT activation rows (m0 ..) against one unpacked weight row -> out[MT].
+template <int MT>
+void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* out) {
+  const int64_t K = a.K, nb = K / 32;
+  const int8_t* xq[MT];
+  const float* xd[MT];
+  for (int t = 0; t < MT; ++t) { xq[t] = a.q + (m0 + t) * K; xd[t] = a.d + (m0 + t) * nb; }
+#if QG_AVX2
+  __m256 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = ld(w.v + 32 * b), aw = _mm256_sign_epi8(wv, wv);
+    const __m256 scv = _mm256_set_m128(_mm_set1_ps(w.sc[2 * b + 1]), _mm_set1_ps(w.sc[2 * b]));
+    for (int t = 0; t < MT; ++t) {
+      const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(ld(xq[t] + 32 * b), wv));
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));  // lanes 0-3: values 0-15
+      acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, _mm256_set1_ps(xd[t][b])), acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    out[t] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+#else
+  for (int t = 0; t < MT; ++t) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t s0 = 0, s1 = 0;
+      for (int l = 0; l < 16; ++l) s0 += int32_t(w.v[32 * b + l]) * xq[t][32 * b + l];
+      for (int l = 16; l < 32; ++l) s1 += int32_t(w.v[32 * b + l]) * xq[t][32 * b + l];
+      acc += xd[t][b] * (w.sc[2 * b] * float(s0) + w.sc[2 * b + 1] * float(s1));
+    }
+    out[t] = acc;
+  }
+#endif
+  if (mins)
+    for (int t = 0; t < MT; ++t) {
+      const float* xs = a.s + (m0 + t) * nb;
+      float m = 0.f;
+      for (int64_t b = 0; b < nb; ++b) m += w.mn[b] * xs[b];
+      out[t] -= m;
+    }
+}
+
+template <typename T>
+inline void store(T* p, float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    *p = x;
+  } else {
+    *p = static_cast<T>(x);  // c10's conversions round to nearest even
+  }
+}
+
+// Output rows a worker unpacks at a time: 16 rows of K = 2,048 are 32 KiB plus scales, so the
+// block stays in L1/L2 while every activation tile passes over it.
+constexpr int64_t NB = 16;
+
+template <typename T>
+void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt,
+               T* out, int64_t ldo) {
+  const Layout L = layout(fmt);
+  const int64_t K = a.K;
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<int8_t> vbuf(NB * K);
+    std::vector<float> scbuf(NB * K / 16), mnbuf(NB * K / 32, 0.f);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * NB, nn = std::min(NB, N - n0);
+      Unpacked rows[NB];
+      for (int64_t r = 0; r < nn; ++r) {
+        rows[r] = {vbuf.data() + r * K, scbuf.data() + r * K / 16, mnbuf.data() + r * K / 32};
+        unpack_row(w + (n0 + r) * row_bytes, L, fmt, K, rows[r]);
+      }
+      float res[4];
+      int64_t m0 = 0;
+      for (; m0 + 4 <= M; m0 += 4)
+        for (int64_t r = 0; r < nn; ++r) {
+          dot_rows<4>(rows[r], a, m0, L.mins, res);
+          for (int t = 0; t < 4; ++t) store(out + (m0 + t) * ldo + n0 + r, res[t]);
+        }
+      for (; m0 < M; ++m0)
+        for (int64_t r = 0; r < nn; ++r) {
+          dot_rows<1>(rows[r], a, m0, L.mins, res);
+          store(out + m0 * ldo + n0 + r, res[0]);
+        }
+    }
+  });
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / 32;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    float buf[32];
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        const T* p = x + m * K + 32 * b;
+        float amax = 0.f;
+        for (int l = 0; l < 32; ++l) { buf[l] = static_cast<float>(p[l]); amax = std::max(amax, std::fabs(buf[l])); }
+        const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        int8_t* o = q + m * K + 32 * b;
+        for (int l = 0; l < 32; ++l) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(buf[l] * id));
+          o[l] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        d[m * nb + b] = dd;
+        s[m * nb + b] = dd * static_cast<float>(sum);
+      }
+  });
+}
+
+}  // namespace
+
+std::vector<at::Tensor> quantize_act(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0, "quantize_act: x [M, K%32==0] contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  auto s = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  else if (x.scalar_type() == at::kHalf)
+    quantize_rows(x.data_ptr<at::Half>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "quantize_act: float32, bfloat16 or float16 activations");
+  return {q, d, s};
+}
+
+// out[:, col : col + N] = x @ W^T for W [N, K] stored as `fmt` blocks (uint8 [N, row_bytes]).
+void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& w,
+          int64_t fmt, at::Tensor& out, int64_t col) {
+  const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
+  const Layout L = layout(static_cast<int>(fmt));
+  TORCH_CHECK(K % L.block == 0 && w.size(1) == K / L.block * L.type_size && w.is_contiguous() &&
+              w.scalar_type() == at::kByte, "quant gemm: weight bytes do not match K = ", K);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && col + N <= out.size(1),
+              "quant gemm: out [M, >= col + N] with unit column stride");
+  const Acts a{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), K};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (out.scalar_type() == at::kFloat)
+    gemm_impl(a, M, wp, N, w.size(1), static_cast<int>(fmt), out.data_ptr<float>() + col, out.stride(0));
+  else if (out.scalar_type() == at::kBFloat16)
+    gemm_impl(a, M, wp, N, w.size(1), static_cast<int>(fmt), out.data_ptr<at::BFloat16>() + col, out.stride(0));
+  else if (out.scalar_type() == at::kHalf)
+    gemm_impl(a, M, wp, N, w.size(1), static_cast<int>(fmt), out.data_ptr<at::Half>() + col, out.stride(0));
+  else
+    TORCH_CHECK(false, "quant gemm: float32, bfloat16 or float16 output");
+}
+
+namespace {
+// No fused multiply-add here: sc * v - mn rounded twice, as torch computes it.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void dense_row(const int8_t* v, const float* sc,
+                                                             const float* mn, bool mins, int64_t K, T* o) {
+  for (int64_t k = 0; k < K; ++k) {
+    const float x = sc[k / 16] * static_cast<float>(v[k]);
+    o[k] = static_cast<T>(mins ? x - mn[k / 32] : x);
+  }
+}
+}  // namespace
+
+// W [N, K] stored as `fmt` blocks -> out [N, K] (fp32 / bf16 / fp16): the torch reference's
+// arithmetic (d * sc first, then times the code, minus dmin * m), so fp32 results are its bits.
+void dequant(const at::Tensor& w, int64_t fmt, at::Tensor& out) {
+  const Layout L = layout(static_cast<int>(fmt));
+  const int64_t N = w.size(0), K = out.size(1);
+  TORCH_CHECK(out.size(0) == N && out.is_contiguous() && w.is_contiguous() &&
+              w.size(1) == K / L.block * L.type_size, "quant dequant: shapes");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequant", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      std::vector<int8_t> v(K);
+      std::vector<float> sc(K / 16), mn(K / 32, 0.f);
+      for (int64_t n = n0; n < n1; ++n) {
+        unpack_row(w.data_ptr<uint8_t>() + n * w.size(1), L, static_cast<int>(fmt), K,
+                   {v.data(), sc.data(), mn.data()});
+        dense_row(v.data(), sc.data(), mn.data(), L.mins, K, o + n * K);
+      }
+    });
+  });
+}
+
+std::string isa() { return QG_AVX2 ? "avx2" : "portable"; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_act", &quantize_act, "x [M, K] -> int8 codes, scales, scaled sums per 32 values");
+  m.def("gemm", &gemm, "out[:, col:col+N] = x @ W^T, W as GGUF blocks read in place");
+  m.def("dequant", &dequant, "W's blocks -> dense rows (the torch reference's bits in fp32)");
+  m.def("isa", &isa, "the vector path compiled in");
+}
