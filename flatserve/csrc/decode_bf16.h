@@ -91,12 +91,16 @@ inline void store_split_bf16(const float* acc, float f, int64_t d, uint16_t* o) 
 }
 #endif
 
+// Where dim e of a head sits in pv_bf16_split's accumulators: per 32 dims, the 16 even dims,
+// then the 16 odd ones. Plain integer maths, so at every ISA level (the kernel's generic
+// output loop names it even where no level of its own uses that order).
+inline int64_t split_acc_index(int64_t e) { return (e & ~int64_t{31}) + (e & 1) * 16 + (e & 31) / 2; }
+
 #if defined(__AVX512F__)
 // bf16 P V with V widened 32 values at a time by one shift (even elements) and one mask (odd
 // ones), against a zero-extend and a shift per 16: the accumulators of each 32-dim chunk hold
 // its even dims, then its odd ones (split_acc_index). For G <= 4 the same products in the same
 // order of sums as the generic loop, so the same bits; G = 8 sums its keys in one chain.
-inline int64_t split_acc_index(int64_t e) { return (e & ~int64_t{31}) + (e & 1) * 16 + (e & 31) / 2; }
 
 template <int G>
 inline void pv_bf16_split(const uint16_t* vb, int64_t rs, int64_t t0, int64_t t1, int64_t d,

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from flatserve import device as dev
+from flatserve import kernels
 from flatserve import ops
 from flatserve.config import EngineConfig
 from flatserve.engine.limits import size_limits
@@ -153,7 +154,7 @@ def warm_heap(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
 def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRunner | None]:
     """-> state, tokenizer, target runner, draft runner (speculative_method 'draft' only)."""
     device = dev.select_device(cfg.device)
-    backend = cfg.attention_backend or dev.default_backend(device)
+    backend = cfg.attention_backend or kernels.default_backend(device)
     dev.check_backend(backend, device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
     fused = ops.parse_fused_ops(cfg.fused_ops, backend)

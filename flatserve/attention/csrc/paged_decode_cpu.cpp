@@ -52,8 +52,8 @@ using flatserve::decode::pack_qt;
 #endif
 #if defined(__AVX512F__)
 using flatserve::decode::pv_bf16_split;
-using flatserve::decode::split_acc_index;
 #endif
+using flatserve::decode::split_acc_index;
 
 // 16 fp32 lanes as one value (cpu_math.h). Written out because the plain loops below it ran at
 // ~4 FMAs per cycle (the compiler kept the accumulators in memory); head sizes are multiples of
