@@ -98,3 +98,14 @@ def require_kernel(kernel: Any) -> Any:
     mod = kernel()
     assert mod is not None, f"{kernel.name} did not build: {kernel.error}"
     return mod
+
+
+@pytest.fixture
+def amx_kernel(amx_isa: str) -> None:
+    """The amx level with the AMX GEMM kernel built and granted tile state by the OS."""
+    import torch
+
+    from flatserve.model import amx
+
+    require_kernel(amx._ext)
+    assert amx.available(torch.bfloat16), "AMX kernel built but not available (OS tile grant, oneDNN)"

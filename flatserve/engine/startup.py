@@ -21,10 +21,10 @@ from flatserve.engine.request import Request
 from flatserve.engine.sampler import Sampler
 from flatserve.engine.sampling_params import SamplingParams
 from flatserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from flatserve.memory import BudgetRequest, CacheBudget, plan
+from flatserve.memory import BudgetError, BudgetRequest, CacheBudget, plan
 from flatserve.model.config import ModelConfig
 from flatserve.model.layers import share_rope_tables
-from flatserve.model.loader import ModelSource, build_model, load_hf_config, resolve_model
+from flatserve.model.loader import ModelSource, build_model, load_hf_config, meta_model, resolve_model
 from flatserve.model.registry import get_model_class
 from flatserve.runner import ModelRunner
 
@@ -154,15 +154,16 @@ def warm_heap(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
 def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRunner | None]:
     """-> state, tokenizer, target runner, draft runner (speculative_method 'draft' only)."""
     device = dev.select_device(cfg.device)
-    backend = cfg.attention_backend or kernels.default_backend(device)
-    dev.check_backend(backend, device)
+    if cfg.attention_backend:
+        dev.check_backend(cfg.attention_backend, device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
-    fused = ops.parse_fused_ops(cfg.fused_ops, backend)
     if cfg.quantization and device.type != "cpu":
         raise ValueError(f"quantization {cfg.quantization!r} is a CPU path (int8 GEMV kernel); "
                          f"the device here is {device.type}")
-    gemm = _cpu_gemm(cfg, device, dtype)
     src, hf, mcfg = _model_config(cfg.model)
+    # Before the tokenizer too (a GGUF's is converted at load, seconds): runtime is lower here.
+    _preflight(cfg, mcfg, dtype, dev.probe_memory(device),
+               dev.process_rss() if device.type != "cuda" else 0)
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
@@ -172,6 +173,10 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     log.info(limits.line())
     cfg = dataclasses.replace(cfg, max_num_seqs=limits.max_num_seqs,
                               max_num_batched_tokens=limits.max_num_batched_tokens)
+    # Only now the kernels (loaded from scripts/setup.sh's builds; a changed source builds here).
+    backend = cfg.attention_backend or kernels.default_backend(device)
+    fused = ops.parse_fused_ops(cfg.fused_ops, backend)
+    gemm = _cpu_gemm(cfg, device, dtype)
     model, weights = _load_weights(src, hf, mcfg, dtype, device)
     if cfg.quantization:
         weights = _quantize(model, device)
@@ -223,6 +228,30 @@ def start_up(cfg: EngineConfig) -> tuple[EngineState, Any, ModelRunner, ModelRun
     state = EngineState(mcfg, src, device, dtype, backend, budget,
                         _eos_ids(mcfg, tokenizer, src), weights, fused, gemm, cfg)
     return state, tokenizer, runner, draft_runner
+
+
+def _preflight(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, probe: Any,
+               runtime: int) -> None:
+    """Refuse in seconds a start that cannot fit even before activations: the budget with the
+    weights counted from the model's shapes (built on the meta device: nothing allocated or
+    read) and no peak, ahead of any kernel build or weight load. A start that passes is
+    planned again below with the measured weights and peak."""
+    shapes = meta_model(mcfg)
+    seen = {id(p): p.numel() for p in shapes.parameters()}  # a tied head counted once
+    # A lower bound of what loading leaves: int8 weights hold at least a byte per parameter.
+    weights = sum(seen.values()) * (1 if cfg.quantization else torch.empty((), dtype=dtype).element_size())
+    per_token = mcfg.kv_bytes_per_token * cfg.block_size * torch.empty((), dtype=dtype).element_size()
+    try:
+        plan(probe, BudgetRequest(
+            weights=weights, peak_activations=0, bytes_per_block=per_token,
+            block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
+            max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
+            gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
+            num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime,
+            max_num_seqs=cfg.max_num_seqs))
+    except BudgetError as e:
+        raise BudgetError(f"{e} (Checked before loading: weights counted from the model's "
+                          f"shapes, activations not yet measured.)") from None
 
 
 def _model_config(model: str | None) -> tuple[ModelSource, Any, ModelConfig]:

@@ -15,8 +15,7 @@ from flatserve.attention.metadata import current_metadata
 from flatserve.model import amx, cpu_stack
 from flatserve.model.layers import DecoderLayers
 
-needs_amx = pytest.mark.skipif(not amx.available(torch.bfloat16),
-                               reason="no AMX bf16 (CPU, kernel build or OS grant) here")
+needs_amx = pytest.mark.usefixtures("amx_kernel")  # the amx level; skips where the CPU has none
 
 
 def _layers(llm: LLM) -> DecoderLayers:
@@ -30,7 +29,7 @@ def _layers(llm: LLM) -> DecoderLayers:
 def test_stack_equals_python_layers(tiny_checkpoint, ngram: int) -> None:
     family, path, _ = tiny_checkpoint
     spec = dict(speculative_method="ngram", num_speculative_tokens=ngram) if ngram else {}
-    llm = LLM(model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=512,
+    llm = LLM(device="cpu", model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=512,
               num_gpu_blocks_override=64, enable_prefix_caching=False, **spec)
     layers = _layers(llm)
     fast = layers.fast
@@ -75,7 +74,7 @@ def test_stack_only_where_every_kernel_is_its_own(tiny_checkpoint, kw: dict) -> 
     """Off on request, and wherever a layer would leave the kernels the stack calls; the
     Python layers then run every step."""
     _, path, _ = tiny_checkpoint
-    llm = LLM(model=str(path), **{"dtype": "bfloat16", "cpu_gemm": "amx", "max_model_len": 256,
+    llm = LLM(device="cpu", model=str(path), **{"dtype": "bfloat16", "cpu_gemm": "amx", "max_model_len": 256,
                                   "num_gpu_blocks_override": 32, **kw})
     assert _layers(llm).fast is None
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)

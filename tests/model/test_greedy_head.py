@@ -13,8 +13,7 @@ from flatserve import kernels
 from flatserve.model import amx, greedy_head
 from flatserve.model.greedy_head import Int8GreedyHead, quantize_7bit, x_stats
 
-needs_amx = pytest.mark.skipif(not amx.available(torch.bfloat16),
-                               reason="no AMX bf16 (CPU, kernel build or OS grant) here")
+needs_amx = pytest.mark.usefixtures("amx_kernel")  # the amx level; skips where the CPU has none
 
 
 def _head(n: int, k: int, plain: bool, dup: list[tuple[int, int]]) -> amx.AMXLinear:
@@ -147,7 +146,7 @@ def test_greedy_generation_identical_with_the_head_on_and_off(family: str, tmp_p
     monkeypatch.setattr(greedy_head, "UNION_CAP", 1)
     out = {}
     for on in (True, False):
-        llm = LLM(model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=256,
+        llm = LLM(device="cpu", model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=256,
                   greedy_int8_head=on)
         head = llm.engine.runner.greedy_head
         assert (head is not None) == on

@@ -48,13 +48,13 @@ def test_quantized_model_matches_its_round_tripped_checkpoint(family, tmp_path) 
     from tests.conftest import _tokenizer
 
     _tokenizer().save_pretrained(rt)
-    rng = random.Random()
+    rng = random.Random(20261125)  # seeded: the bound below is checked on fixed inputs
     prompts = [[rng.randrange(4, 500) for _ in range(rng.randint(1, 120))] for _ in range(6)]
     sp = SamplingParams(max_tokens=6, temperature=0, logprobs=5, ignore_eos=True)
     runs = []
     for p, quant in ((path, "int8"), (rt, None)):
         # 2 sequences at a time: decode steps take the int8 GEMV kernel, prefills the slices.
-        llm = LLM(model=str(p), dtype="float32", quantization=quant, max_model_len=256,
+        llm = LLM(device="cpu", model=str(p), dtype="float32", quantization=quant, max_model_len=256,
                   max_num_seqs=2)
         runs.append(llm.generate([{"prompt_token_ids": x} for x in prompts], sp, use_tqdm=False))
         if quant:
