@@ -162,23 +162,21 @@ class Build:
 
 
 def explain(e: Exception) -> str:
-    """A failed build's cause in one line, and what to install where that is the cause."""
-    text = str(e)
-    lines = [x for x in text.splitlines() if "error" in x.lower()] or [repr(e)]
-    cause = lines[0].strip()[:300]
-    low = text.lower()
-    if "ninja" in low and ("not found" in low or "required" in low):
-        hint = "install ninja (pip install ninja)"
-    elif "python.h" in low:
-        hint = "install the Python headers (apt install python3-dev)"
-    elif "unrecognized" in low or "unknown" in low and "-m" in low:
-        hint = "a newer compiler (GCC >= 12 or clang >= 14 knows every level's flags)"
-    elif "command not found" in low or "no such file or directory: 'c++'" in low or "none" in compiler_id():
-        hint = "install a C++ compiler (apt install g++)"
-    elif "-fopenmp" in low or "omp.h" in low:
-        hint = "a compiler with OpenMP (GCC; Apple clang has none)"
-    else:
-        hint = "see the compiler's log"
+    """A failed build's cause in one line (the compiler's first diagnostic), and what to
+    install where that is the cause."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    diag = [x for x in lines if "error:" in x.lower() and not x.startswith("[")]
+    cause = (diag or [x for x in lines if "error" in x.lower() or "required" in x.lower()]
+             or [repr(e)])[0][:300]
+    low = cause.lower()
+    hints = [("ninja", "install ninja (pip install ninja)"),
+             ("python.h", "install the Python headers (apt install python3-dev)"),
+             ("omp.h", "a compiler with OpenMP (GCC; Apple clang has none)"),
+             ("fopenmp", "a compiler with OpenMP (GCC; Apple clang has none)"),
+             ("unrecognized command-line option", "a newer compiler (GCC >= 12 knows every level's flags)"),
+             ("not found", "install a C++ compiler (apt install g++)"),
+             ("no such file or directory: 'c++'", "install a C++ compiler (apt install g++)")]
+    hint = next((h for key, h in hints if key in low), "see build.log beside FAILED")
     return f"{cause} [{hint}]"
 
 

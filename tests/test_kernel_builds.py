@@ -131,4 +131,4 @@ def test_concurrent_first_starts_build_once(tmp_path) -> None:
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     lines = sorted(o[0].split()[-2] + " " + o[0].split()[-1] for o in outs)
     assert lines == ["False 5", "True 5"], lines
-    assert len(list(Path(tmp_path / "cache" / "flatserve").glob("flatserve_test_race-*/OK"))) == 1
+    assert len(list(Path(tmp_path / "cache" / "flatserve").glob("flatserve_test_race_portable-*/OK"))) == 1
