@@ -247,6 +247,15 @@ class CpuKernel:
             return None
 
 
+def build_module(name: str, source: str | Path, level: str | None = None) -> ModuleType:
+    """One source at one ISA level (this run's by default) built into the cache and loaded;
+    raises where it cannot build (the benchmarks' A/B builds of a source at a git revision)."""
+    b = Build(name, Path(source), level or dev.cpu_isa())
+    if not b.built():
+        b.build()
+    return b.load()
+
+
 def registry() -> list[CpuKernel]:
     """Every kernel the engine uses (importing their modules registers nothing else)."""
     from flatserve.attention import cpu_backend
