@@ -24,7 +24,7 @@ from flatserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from flatserve.memory import BudgetError, BudgetRequest, CacheBudget, plan
 from flatserve.model.config import ModelConfig
 from flatserve.model.layers import share_rope_tables
-from flatserve.model.loader import ModelSource, build_model, load_hf_config, meta_model, resolve_model
+from flatserve.model.loader import ModelSource, build_model, load_hf_config, resolve_model
 from flatserve.model.registry import get_model_class
 from flatserve.runner import ModelRunner
 
@@ -236,7 +236,8 @@ def _preflight(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, probe: 
     weights counted from the model's shapes (built on the meta device: nothing allocated or
     read) and no peak, ahead of any kernel build or weight load. A start that passes is
     planned again below with the measured weights and peak."""
-    shapes = meta_model(mcfg)
+    with torch.device("meta"):  # its first use imports torch._dynamo (build_model's does too)
+        shapes = get_model_class(mcfg.architecture)(mcfg)
     seen = {id(p): p.numel() for p in shapes.parameters()}  # a tied head counted once
     # A lower bound of what loading leaves: int8 weights hold at least a byte per parameter.
     weights = sum(seen.values()) * (1 if cfg.quantization else torch.empty((), dtype=dtype).element_size())
