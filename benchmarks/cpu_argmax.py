@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, ".")
 from benchmarks.timing import ms_per_call  # noqa: E402
-from flatserve import device as dev  # noqa: E402
+from flatserve import kernels  # noqa: E402
 
 
 def main() -> None:
@@ -23,8 +23,8 @@ def main() -> None:
         t = {"bf16 -> fp32 copy + max": ms_per_call(lambda: x.float().max(dim=-1).indices, n=30),
              "fp32 max": ms_per_call(lambda: xf.max(dim=-1).indices, n=30),
              "bf16 max": ms_per_call(lambda: x.max(dim=-1).indices, n=30),
-             "C++ row_argmax": ms_per_call(lambda: dev.row_argmax(x), n=30)}
-        assert torch.equal(dev.row_argmax(x), xf.max(dim=-1).indices)
+             "C++ row_argmax": ms_per_call(lambda: kernels.row_argmax(x), n=30)}
+        assert torch.equal(kernels.row_argmax(x), xf.max(dim=-1).indices)
         print(f"{rows} x 262144: " + ", ".join(f"{k} {v:.3f} ms" for k, v in t.items()), flush=True)
 
 

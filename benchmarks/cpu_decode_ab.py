@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, ".")
 from flatserve import device as dev  # noqa: E402
+from flatserve import kernels  # noqa: E402
 from tests.attention.cases import make_case  # noqa: E402
 
 SRC = "flatserve/attention/csrc/paged_decode_cpu.cpp"
@@ -48,12 +49,14 @@ def build_at_rev(src: str, rev: str, prefix: str) -> object:
     for name, text in files.items():
         (tmp / name).write_text(text)
     tag = abs(hash("".join(files.values()))) % 10**8
-    return dev.build_cpu_extension(f"{prefix}_{tag}", str(tmp / Path(src).name))
+    return kernels.build_module(f"{prefix}_{tag}", tmp / Path(src).name)
 
 
 def ab_modules(src: str, rev: str, prefix: str, name: str) -> dict[str, object]:
     """{rev: the source at `rev`, "working tree": the module as the engine builds it (`name`)}."""
-    return {rev: build_at_rev(src, rev, prefix), "working tree": dev.build_cpu_extension(name, src)}
+    level = dev.cpu_isa()
+    return {rev: build_at_rev(src, rev, prefix),
+            "working tree": kernels.build_module(f"{name}_{level}", src, level)}
 
 
 def gemma_case(a: argparse.Namespace) -> tuple:

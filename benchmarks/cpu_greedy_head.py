@@ -22,7 +22,7 @@ sys.path.insert(0, ".")
 def main() -> None:
     from benchmarks.offline_cpu import make_prompts
     from flatserve import LLM, SamplingParams
-    from flatserve import device as dev
+    from flatserve import kernels
     from flatserve.model.greedy_head import x_stats
 
     ap = argparse.ArgumentParser()
@@ -63,7 +63,7 @@ def main() -> None:
         for i in range(a.reps):
             x = h[(i * m) % (h.shape[0] - m):][:m].contiguous()
             t0 = time.perf_counter()
-            ref = dev.row_argmax(head(x))
+            ref = kernels.row_argmax(head(x))
             t1 = time.perf_counter()
             got = greedy(x)
             t2 = time.perf_counter()

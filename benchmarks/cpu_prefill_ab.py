@@ -32,7 +32,7 @@ def main() -> None:
     a = ap.parse_args()
     if not dev.cpu_has_amx_bf16():
         sys.exit("needs a CPU with AMX bf16")
-    mods = ab_modules(SRC, a.rev, "flatserve_prefill_ab", "flatserve_paged_prefill_amx")
+    mods = ab_modules(SRC, a.rev, "flatserve_prefill_ab", "flatserve_paged_prefill")
     torch.manual_seed(0)
     for name, win, n, ctx in CASES:
         L = ctx + n

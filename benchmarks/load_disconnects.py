@@ -116,7 +116,7 @@ def main() -> int:
     from flatserve.bench.serve import wait_healthy
 
     port = _port()
-    pre = ("import flatserve.device as d; d.CpuExtension.__call__ = lambda self: None; "
+    pre = ("import flatserve.kernels as k; k.CpuKernel.__call__ = lambda self: None; "
            if a.no_cpp_build else "")
     argv = ["serve", "--port", str(port), *a.server_args]
     log = open(f"/tmp/load_disconnects_{port}.log", "w")  # a pipe nobody reads would fill up

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import threading
 import time
-from types import ModuleType
 from typing import Callable
 
 import torch
@@ -27,18 +25,6 @@ def select_device(name: str) -> torch.device:
     if name not in ("cpu", "mps") and not name.startswith("cuda"):
         raise ValueError(f"unknown device {name!r}; choose auto, cpu, cuda or mps")
     return torch.device(name)
-
-
-def default_backend(device: torch.device) -> str:
-    """Triton on CUDA; on the CPU the C++ decode kernel where it builds (it needs a C++
-    compiler: the first start compiles it, ~40 s on 2 cores, then it is cached); torch else."""
-    if device.type == "cuda":
-        return "triton"
-    if device.type == "cpu":
-        from flatserve.attention import cpu_backend
-
-        return "cpu" if cpu_backend.available() else "torch"
-    return "torch"
 
 
 # Attention backends tied to one device type ("torch" runs anywhere).
@@ -79,87 +65,63 @@ def cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
-def build_cpu_extension(name: str, source: str) -> object:
-    """Compile one C++ source into a module with this machine's compiler (cached by torch under
-    ~/.cache/torch_extensions); raises where there is no compiler/ninja/headers.
+# The C++ kernels' ISA levels, best first (flatserve/kernels.py has their compiler flags); each
+# needs the /proc/cpuinfo flags of the next level below it and its own.
+ISA_LEVELS = ("amx", "avx512", "avx2", "portable")
+_AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+_ISA_NEEDS = {"amx": _AVX512 | {"amx_tile", "amx_bf16", "amx_int8"}, "avx512": _AVX512,
+              "avx2": _AVX2, "portable": frozenset()}
 
-    -march=native: the build runs on the machine that uses it. torch caches by source and flags,
-    not by CPU, so a home directory shared with a different CPU needs TORCH_EXTENSIONS_DIR set
-    per machine. Apple clang has no -fopenmp: the build fails there and callers fall back."""
+
+@functools.cache
+def cpu_isa_levels() -> tuple[str, ...]:
+    """The ISA levels this CPU can run, best first; portable only off x86-64 (and where
+    /proc/cpuinfo cannot be read)."""
     import platform
 
-    from torch.utils.cpp_extension import load
-
-    arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
-    # -fno-trapping-math: without it GCC keeps any loop with a float -> int conversion (the
-    # kernels' exp) scalar, since the conversion could raise an FP exception nobody reads here.
-    from pathlib import Path
-
-    import hashlib
-
-    shared = Path(__file__).parent / "csrc"  # cpu_math.h
-    # torch's cache key hashes the sources and flags, not included headers: the header's hash
-    # rides in a define so that editing it rebuilds both modules.
-    tag = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(shared.glob("*.h")))).hexdigest()[:12]
-    return load(name=name, sources=[source], extra_include_paths=[str(shared)],
-                extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", f"-DFLATSERVE_HEADERS={tag}", *arch],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return tuple(lv for lv in ISA_LEVELS if lv == "portable" or (x86 and _ISA_NEEDS[lv] <= _cpu_flags()))
 
 
-class CpuExtension:
-    """A C++ extension built on the first call and returned from then on; None where the build
-    failed (no compiler, ninja or headers), with the reason in `error`, logged once together with
-    what runs instead (`fallback`)."""
-
-    def __init__(self, name: str, source: str, fallback: str) -> None:
-        self.name, self.source, self.fallback = name, source, fallback
-        self.error: str | None = None
-        self._built: list[ModuleType | None] = []
-
-    def __call__(self) -> ModuleType | None:
-        if not self._built:
-            try:
-                self._built.append(build_cpu_extension(self.name, self.source))
-            except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
-                self._built.append(None)
-                self.error = build_error(e)
-                logging.getLogger(__name__).warning("%s unavailable (%s); %s", self.name, self.error,
-                                                    self.fallback)
-        return self._built[0]
-
-
-def build_error(e: Exception) -> str:
-    """The one line of a failed build worth logging."""
-    lines = [x for x in str(e).splitlines() if "error" in x.lower()] or [repr(e)]
-    return lines[-1].strip()[:300]
+def cpu_isa() -> str:
+    """The ISA level the C++ kernels run at: the best this CPU runs, or FLATSERVE_CPU_ISA (read
+    at each call, so a test can force a level) where set; a level the CPU cannot run is refused."""
+    want = os.environ.get("FLATSERVE_CPU_ISA", "").strip().lower()
+    levels = cpu_isa_levels()
+    if not want or want == "auto":
+        return levels[0]
+    if want not in ISA_LEVELS:
+        raise ValueError(f"FLATSERVE_CPU_ISA={want!r}: choose one of auto, {', '.join(ISA_LEVELS)}")
+    if want not in levels:
+        raise ValueError(f"FLATSERVE_CPU_ISA={want!r}: this CPU runs only {', '.join(levels)} "
+                         f"(missing flags: {' '.join(sorted(_ISA_NEEDS[want] - _cpu_flags()))})")
+    return want
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """x [R, V] -> int64 [R] with x.max(dim=-1).indices' rule. On the CPU through the fused
-    ops' vector kernel where it built (16 x 262k bf16: see flatserve/ops/cpu_ops.py); elsewhere
-    torch's reduction."""
-    if x.device.type == "cpu" and x.dim() == 2 and x.shape[1] > 0:
-        from flatserve.ops import cpu_ops
-
-        if cpu_ops.available():
-            return cpu_ops.argmax_rows(x)
-    return x.max(dim=-1).indices
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA and on every x86-64 CPU, fp16 on MPS; other CPUs bf16 only where
+    they compute it natively.
+
+    x86-64 without native bf16 (AVX2): the weights and KV cache stay bf16 (half the bytes a
+    decode step reads: 0.5 against 1.0 GiB for Gemma 3 270M) and are widened to fp32 in
+    registers (a 16-bit shift). Measured not slower than fp32 there: torch's bf16 linears at the
+    default model's shapes took 0.59x fp32's time at 1 row and 0.97x at 16
+    (benchmarks/cpu_dtype_ab.py, AVX2 AMD EPYC, 2 cores, 2026-11-25)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
     if device.type == "mps":
         return torch.float16
-    # AVX2 + FMA without native bf16: the weights stay bf16 and widen in registers
-    # (flatserve/model/avx2.py), half the bytes of fp32 per decode step.
-    return torch.bfloat16 if cpu_has_fast_bf16() or cpu_has_avx2_fma() else torch.float32
+    import platform
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return torch.bfloat16 if x86 or cpu_has_fast_bf16() else torch.float32
 
 
 def synchronize(device: torch.device) -> None:

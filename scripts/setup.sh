@@ -8,3 +8,7 @@ python -m pip install -q --upgrade pip >/dev/null
 # torch==2.13.0 resolves to the CPU wheel on this machine kind; a looser spec pulls CUDA (GBs).
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[test]'
+# The C++ CPU kernels, every ISA level this CPU runs, in parallel processes (flatserve/kernels.py):
+# a start then only loads them. A kernel that fails is remembered with its cause (and the
+# engine's fallback runs); `python -m flatserve.kernels status` lists them.
+python -m flatserve.kernels build

@@ -124,3 +124,45 @@ def default_model_path() -> Path:
     from flatserve.model.loader import default_model_path as dmp
 
     return dmp()
+
+
+def _at_level(level: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the C++ CPU kernels at ISA level `level` for one test (FLATSERVE_CPU_ISA is read at
+    each call); a level this CPU cannot run skips, saying which flags it lacks."""
+    from flatserve import device as dev
+
+    if level not in dev.cpu_isa_levels():
+        pytest.skip(f"this CPU cannot run ISA level {level} (it runs {', '.join(dev.cpu_isa_levels())})")
+    monkeypatch.setenv("FLATSERVE_CPU_ISA", level)
+    return level
+
+
+@pytest.fixture(params=["amx", "avx512", "avx2", "portable"])
+def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every ISA level of the kernels built at every level (decode attention, fused ops)."""
+    return _at_level(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["amx"])
+def amx_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The amx level, for the kernels that exist only there (prefill, AMX GEMM, greedy head)."""
+    return _at_level(request.param, monkeypatch)
+
+
+def require_kernel(kernel: Any) -> Any:
+    """The kernel's module at this test's level; a failed build is a failure, not a skip (the
+    CPU runs the level, so the build must work: scripts/setup.sh built it)."""
+    mod = kernel()
+    assert mod is not None, f"{kernel.name} did not build: {kernel.error}"
+    return mod
+
+
+@pytest.fixture
+def amx_kernel(amx_isa: str) -> None:
+    """The amx level with the AMX GEMM kernel built and granted tile state by the OS."""
+    import torch
+
+    from flatserve.model import amx
+
+    require_kernel(amx._ext)
+    assert amx.available(torch.bfloat16), "AMX kernel built but not available (OS tile grant, oneDNN)"

@@ -29,7 +29,7 @@ def tok(default_model_path):
 @pytest.fixture(scope="module")
 def live(default_model_path):
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--device", "cpu", "--port", str(port),
                              "--kv-cache-memory", "256MiB", "--max-model-len", "2048"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

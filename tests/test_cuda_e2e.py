@@ -28,7 +28,7 @@ def test_triton_matches_torch_backend_greedy(ckpt) -> None:
     rng = random.Random()
     prompts = [[rng.randrange(4, 151936) for _ in range(rng.randint(1, 700))] for _ in range(32)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    kw = dict(model=str(ckpt), dtype="bfloat16", max_model_len=1024, kv_cache_memory=4 * 2**30)
+    kw = dict(model=str(ckpt), device="cuda", dtype="bfloat16", max_model_len=1024, kv_cache_memory=4 * 2**30)
     ours = LLM(attention_backend="triton", **kw)  # decode steps replay CUDA graphs
     out_t = ours.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert ours.engine.runner.graphs is not None
@@ -89,7 +89,8 @@ def test_speculative_verify_on_triton_is_exact(tmp_path) -> None:
         unit = [rng.randrange(3, 500) for _ in range(rng.randint(3, 30))]
         prompts.append(unit * rng.randint(1, 4))
     params = SamplingParams(max_tokens=48, temperature=0)
-    kw = dict(model=str(path), dtype="float32", attention_backend="triton", num_gpu_blocks_override=400,
+    kw = dict(model=str(path), device="cuda", dtype="float32",
+              attention_backend="triton", num_gpu_blocks_override=400,
               gpu_memory_utilization=0.3)
     ref = LLM(**kw).generate(prompts, params, use_tqdm=False)
     for spec in ({"speculative_method": "ngram", "num_speculative_tokens": 3},

@@ -79,7 +79,7 @@ def _ram_gib() -> float:
 LOAD_SCRIPT = r"""
 import sys, json
 from flatserve import LLM, SamplingParams
-llm = LLM(dtype="float32", os_reserve_gb=float(sys.argv[1]), max_model_len=1024,
+llm = LLM(device="cpu", dtype="float32", os_reserve_gb=float(sys.argv[1]), max_model_len=1024,
           max_num_batched_tokens=256, max_num_seqs=32)
 b = llm.engine.state.budget
 print(json.dumps({"blocks": b.num_blocks, "total": b.total, "reserve": b.reserve,
@@ -120,7 +120,7 @@ def test_small_budget_start_full_load_preempts_and_stays_in_budget(default_model
 
 def test_refusal_exits_nonzero_with_the_numbers_fast(default_model_path) -> None:
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "flatserve.cli", "generate", "--prompt", "hi",
+    r = subprocess.run([sys.executable, "-m", "flatserve.cli", "generate", "--device", "cpu", "--prompt", "hi",
                         "--dtype", "float32", "--os-reserve-gb", f"{_ram_gib() - 1.0}",
                         "--max-model-len", "8192"], capture_output=True, text=True, timeout=120)
     assert time.time() - t0 < 30, "refusal must come quickly"

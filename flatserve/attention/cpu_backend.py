@@ -4,18 +4,18 @@ Every sequence with at most MAX_KERNEL_ROWS new tokens (decodes, draft-verify ru
 `csrc/paged_decode_cpu.cpp` in one call per layer, each row seeing the keys up to its own
 position. Longer prefill chunks (compute-bound) go to `csrc/paged_prefill_amx.cpp` in one call
 per layer on CPUs with AMX bf16 tiles (bf16 models), else to the torch reference's
-per-sequence SDPA. The kernels are compiled on first use with the machine's C++ compiler
-(torch.utils.cpp_extension, cached under ~/.cache/torch_extensions); where the decode kernel's
-build fails, `available()` is False and the device module picks the torch backend instead.
+per-sequence SDPA. The decode kernel is built at every ISA level, the prefill kernel at the amx
+level only (flatserve/kernels.py: built by scripts/setup.sh, cached); where the decode kernel
+has no build here, `available()` is False and kernels.default_backend picks the torch backend.
 """
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
 
 from flatserve import device as dev
+from flatserve.kernels import CpuKernel
 from flatserve.attention.base import LayerAttnParams
 from flatserve.attention.metadata import AttentionMetadata
 from flatserve.attention.torch_backend import attend_seqs, paged_attention_ref, write_kv
@@ -24,25 +24,29 @@ _SRC = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _PREFILL_SRC = Path(__file__).parent / "csrc" / "paged_prefill_amx.cpp"
 LANES = 16  # the kernel's slice width (kLanes): head sizes must be multiples of it
 # The compiled module, built once per process (None, with the reason logged, if it fails).
-kernel = dev.CpuExtension("flatserve_paged_decode_cpu", str(_SRC), "attention uses the torch backend")
+kernel = CpuKernel("flatserve_paged_decode_cpu", _SRC, "attention uses the torch backend")
 
 
-# The AMX prefill kernel, built only on CPUs with AMX bf16 (elsewhere long chunks keep SDPA).
-prefill_kernel = dev.CpuExtension("flatserve_paged_prefill_amx", str(_PREFILL_SRC),
-                                  "prefill chunks use torch SDPA")
+# The AMX prefill kernel, built at the amx level only (elsewhere long chunks keep SDPA).
+prefill_kernel = CpuKernel("flatserve_paged_prefill", _PREFILL_SRC, "prefill chunks use torch SDPA",
+                           levels=("amx",))
 
 
 def available() -> bool:
     return kernel() is not None
 
 
-@functools.cache
+_prefill_ok: dict[str, bool] = {}
+
+
 def prefill_available() -> bool:
-    """AMX bf16 here, the kernel built, and tile state granted (asked once: every layer asks)."""
-    if not dev.cpu_has_amx_bf16():
-        return False
-    mod = prefill_kernel()
-    return mod is not None and mod.available()
+    """This run's ISA level is amx, the kernel built, and tile state granted (asked once per
+    level: every layer asks)."""
+    isa = dev.cpu_isa()
+    if isa not in _prefill_ok:
+        mod = prefill_kernel() if prefill_kernel.level(isa) else None
+        _prefill_ok[isa] = mod is not None and bool(mod.available())
+    return _prefill_ok[isa]
 
 
 def prefill_fits(q: torch.Tensor, k_cache: torch.Tensor, p: LayerAttnParams,

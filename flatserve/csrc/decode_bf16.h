@@ -91,8 +91,9 @@ inline void store_split_bf16(const float* acc, float f, int64_t d, uint16_t* o) 
 }
 #endif
 
-// The accumulators of each 32-dim chunk in pv_bf16_split's order: its even dims, then its odd
-// ones. Outside the #if: attend's generic store names it on every ISA (never true there).
+// Where dim e of a head sits in pv_bf16_split's accumulators: per 32 dims, the 16 even dims,
+// then the 16 odd ones. Plain integer maths, so at every ISA level (the kernel's generic
+// output loop names it even where no level of its own uses that order).
 inline int64_t split_acc_index(int64_t e) { return (e & ~int64_t{31}) + (e & 1) * 16 + (e & 31) / 2; }
 
 #if defined(__AVX512F__)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from flatserve import device as dev
+from flatserve import kernels
 from flatserve.engine.request import Request
 from flatserve.engine.structured import apply_bitmask
 
@@ -186,7 +187,7 @@ class Sampler:
             # Widening to fp32 is exact, so the model-dtype logits have the same max and first
             # index: skip the [R, V] fp32 copy (16 x 262k bf16 on the dev box: 1.9 ms against
             # 2.6 with the copy, whose fresh 16 MB also page-faulted every few steps).
-            tokens = dev.row_argmax(logits)  # [R]
+            tokens = kernels.row_argmax(logits)  # [R]
             accepted = None if st.draft is None else tokens == st.draft
             return tokens, accepted, [None] * len(rows)
         step = max(1, CHUNK_BYTES // (4 * logits.shape[-1]))
@@ -205,7 +206,7 @@ class Sampler:
         logits = self.apply_logits_processors(logits, rows)
         logprobs = logits.log_softmax(-1) if any(n is not None for n in st.num_logprobs) else None
         # max(dim).indices' rule (argmax's first-index tie rule; on the CPU a vector kernel).
-        tokens = dev.row_argmax(logits)  # [R]
+        tokens = kernels.row_argmax(logits)  # [R]
         d = st.draft
         accepted = None if d is None else tokens == d  # greedy acceptance
         if not st.all_greedy:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flatserve import device as dev
+from flatserve import kernels
 from flatserve import ops
 from flatserve.config import EngineConfig
 from flatserve.engine.limits import size_limits
@@ -21,7 +22,7 @@ from flatserve.engine.request import Request
 from flatserve.engine.sampler import Sampler
 from flatserve.engine.sampling_params import SamplingParams
 from flatserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from flatserve.memory import BudgetRequest, CacheBudget, plan
+from flatserve.memory import BudgetError, BudgetRequest, CacheBudget, plan
 from flatserve.model.config import ModelConfig
 from flatserve.model.layers import share_rope_tables
 from flatserve.model.loader import ModelSource, build_model, load_hf_config, resolve_model
@@ -166,13 +167,16 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     device = tp.device if tp is not None else dev.select_device(cfg.device)
     if device.type == "cuda" and device.index is not None:  # a data-parallel replica's GPU
         torch.cuda.set_device(device)
-    backend = cfg.attention_backend or dev.default_backend(device)
-    dev.check_backend(backend, device)
+    if cfg.attention_backend:
+        dev.check_backend(cfg.attention_backend, device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
-    fused = ops.parse_fused_ops(cfg.fused_ops, backend)
-    # The packed CPU linears (AMX, oneDNN) and the C++ decoder stack have no all-reduce inside.
-    gemm = "torch" if tp is not None else _cpu_gemm(cfg, device, dtype)
     src, hf, mcfg = _model_config(cfg.model)
+    # Tensor parallelism shards dense weights: a GGUF is dequantized there.
+    keep = _keep_quantized(cfg, device) and tp is None
+    # Before the tokenizer too (a GGUF's is converted at load, seconds): runtime is lower here.
+    if tp is None:  # a rank's share is planned below, per rank
+        _preflight(cfg, mcfg, dtype, dev.probe_memory(device),
+                   dev.process_rss() if device.type != "cuda" else 0, keep or src.is_gguf)
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
@@ -182,6 +186,11 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     log.info(limits.line())
     cfg = dataclasses.replace(cfg, max_num_seqs=limits.max_num_seqs,
                               max_num_batched_tokens=limits.max_num_batched_tokens)
+    # Only now the kernels (loaded from scripts/setup.sh's builds; a changed source builds here).
+    backend = cfg.attention_backend or kernels.default_backend(device)
+    fused = ops.parse_fused_ops(cfg.fused_ops, backend)
+    # The packed CPU linears (AMX, oneDNN) and the C++ decoder stack have no all-reduce inside.
+    gemm = "torch" if tp is not None else _cpu_gemm(cfg, device, dtype)
     shard, full = None, mcfg
     if tp is not None:
         from flatserve.distributed import parallel
@@ -189,8 +198,6 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
         probe = parallel.host_share(probe, tp)
         mcfg = parallel.local_config(mcfg, tp.size)  # this rank's heads: its KV pool, its budget
         shard = functools.partial(parallel.shard_model, g=tp)
-    # Tensor parallelism shards dense weights: a GGUF is dequantized there.
-    keep = _keep_quantized(cfg, device) and tp is None
     model, weights = _load_weights(src, hf, full, dtype, device, shard, keep)
     if cfg.quantization:
         weights = _quantize(model, device, cfg.quantization)
@@ -251,6 +258,33 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
                         _eos_ids(mcfg, tokenizer, src), weights, fused, gemm, cfg,
                         tuple((k, n, b) for k, (n, b) in sorted(summary(model).items())))
     return state, tokenizer, runner, draft_runner
+
+
+def _preflight(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, probe: Any,
+               runtime: int, quantized: bool = False) -> None:
+    """Refuse in seconds a start that cannot fit even before activations: the budget with the
+    weights counted from the model's shapes (built on the meta device: nothing allocated or
+    read) and no peak, ahead of any kernel build or weight load. A start that passes is
+    planned again below with the measured weights and peak."""
+    with torch.device("meta"):  # its first use imports torch._dynamo (build_model's does too)
+        shapes = get_model_class(mcfg.architecture)(mcfg)
+    seen = {id(p): p.numel() for p in shapes.parameters()}  # a tied head counted once
+    # A lower bound of what loading leaves: block formats hold at least 4 bits a parameter
+    # (Q4_0 is 4.5; a GGUF's or --quantization's weights), dense weights their dtype's bytes.
+    elt = torch.empty((), dtype=dtype).element_size()
+    weights = int(sum(seen.values()) * (0.5 if quantized or cfg.quantization else elt))
+    per_token = mcfg.kv_bytes_per_token * cfg.block_size * torch.empty((), dtype=dtype).element_size()
+    try:
+        plan(probe, BudgetRequest(
+            weights=weights, peak_activations=0, bytes_per_block=per_token,
+            block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
+            max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
+            gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
+            num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime,
+            max_num_seqs=cfg.max_num_seqs))
+    except BudgetError as e:
+        raise BudgetError(f"{e} (Checked before loading: weights counted from the model's "
+                          f"shapes, activations not yet measured.)") from None
 
 
 def _model_config(model: str | None) -> tuple[ModelSource, Any, ModelConfig]:

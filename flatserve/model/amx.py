@@ -19,17 +19,18 @@ import torch
 from torch import nn
 
 from flatserve import device as dev
+from flatserve.kernels import CpuKernel
 from flatserve.model import onednn
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "amx_gemm_cpu.cpp"
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)
-_ext = dev.CpuExtension("flatserve_amx_gemm", str(_SRC), "linears use oneDNN")
+_ext = CpuKernel("flatserve_amx_gemm", _SRC, "linears use oneDNN", levels=("amx",))
 
 
 def available(dtype: torch.dtype) -> bool:
-    """bf16 weights, oneDNN present (the fallback for shapes that do not tile), a CPU with AMX
-    bf16, the kernel built with it, and the kernel granted tile state by the OS."""
-    if not (onednn.available(dtype) and dev.cpu_has_amx_bf16()):
+    """bf16 weights, oneDNN present (the fallback for shapes that do not tile), this run's ISA
+    level amx, the kernel built at it, and the kernel granted tile state by the OS."""
+    if not (onednn.available(dtype) and dev.cpu_isa() == "amx"):
         return False
     ext = _ext()
     return ext is not None and ext.available()

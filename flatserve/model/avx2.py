@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from flatserve import device as dev
+from flatserve.kernels import CpuKernel
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "avx2_gemm_cpu.cpp"
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)
-_ext = dev.CpuExtension("flatserve_avx2_gemm", str(_SRC), "linears use torch")
+_ext = CpuKernel("flatserve_avx2_gemm", _SRC, "linears use torch")
 
 
 def available(dtype: torch.dtype) -> bool:

@@ -19,12 +19,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flatserve import device as dev
+from flatserve.kernels import CpuKernel
 from flatserve.attention.metadata import current_metadata
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "decoder_stack_cpu.cpp"
-_ext = dev.CpuExtension("flatserve_decoder_stack_cpu", str(_SRC),
-                        "decode steps run the decoder layers from Python")
+# No arithmetic of its own (it calls the other kernels' ops through torch's dispatcher): one
+# portable build serves every ISA level.
+_ext = CpuKernel("flatserve_decoder_stack_cpu", _SRC, "decode steps run the decoder layers from Python",
+                 level_free=True)
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)
 
 # The norm roles of the C++ layer, in its order; each decoder layer class names its modules

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flatserve import device as dev
+from flatserve import kernels
 
 MAX_ROWS = 16  # one tile of tokens; verify steps with more rows take the bf16 head
 UNION_CAP = 8  # past N / UNION_CAP candidate rows, gathering them costs more than the head
@@ -126,9 +126,9 @@ class Int8GreedyHead(nn.Module):
         # The union holds every row that can reach each token's maximum, so the first maximum
         # here is the first over the vocabulary; padding only repeats the last row after its own
         # place (clamped back onto it).
-        pos = dev.row_argmax(exact)  # [M] into idx
+        pos = kernels.row_argmax(exact)  # [M] into idx
         return union[pos.clamp(max=union.numel() - 1)]
 
     def _full(self, x: torch.Tensor) -> torch.Tensor:
         self.fallbacks += 1
-        return dev.row_argmax(self.head(x))
+        return kernels.row_argmax(self.head(x))

@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flatserve import device as dev
+from flatserve.kernels import CpuKernel
 from flatserve.model.qformats import FORMATS, Format, dequantize, quantize
 
 log = logging.getLogger("flatserve")
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "quant_gemm_cpu.cpp"
-_ext = dev.CpuExtension("flatserve_quant_gemm_cpu", str(_SRC),
-                        "quantized linears dequantize slices in torch")
+_ext = CpuKernel("flatserve_quant_gemm_cpu", _SRC,
+                  "quantized linears dequantize slices in torch")
 SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
 # From this many rows on, the kernel dequantizes DENSE_ROWS weight rows at a time (C++, the
 # reference's bits) and torch's dense GEMM runs on them: the int8 dot spends ~7 AVX2

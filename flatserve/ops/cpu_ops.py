@@ -1,17 +1,17 @@
 """Fused element-wise C++ ops for the CPU path, same signatures as `triton_ops`; the torch layers
-are their reference. Built on first use from `csrc/fused_cpu.cpp` (cached); where the build
-fails, `available()` is False and `--fused-ops auto` enables nothing on the CPU (logged)."""
+are their reference. `csrc/fused_cpu.cpp`, built at every ISA level (flatserve/kernels.py); where
+the build fails, `available()` is False and `--fused-ops auto` enables nothing on the CPU (logged)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from flatserve import device as dev
+from flatserve.kernels import CpuKernel
 
 _SRC = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
 ACTS = ("silu", "gelu_pytorch_tanh")
-module = dev.CpuExtension("flatserve_fused_cpu", str(_SRC), "the torch layers run instead")
+module = CpuKernel("flatserve_fused_cpu", _SRC, "the torch layers run instead")
 
 
 def available() -> bool:

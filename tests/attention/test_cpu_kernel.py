@@ -13,9 +13,14 @@ from flatserve.attention import cpu_backend
 from flatserve.attention.base import LayerAttnParams
 from flatserve.attention.torch_backend import TorchAttentionBackend, paged_attention_ref
 from tests.attention.cases import make_case, rel_err
+from tests.conftest import require_kernel
 
-pytestmark = pytest.mark.skipif(not cpu_backend.available(),
-                                reason=f"CPU kernel did not build: {cpu_backend.kernel.error}")
+
+
+@pytest.fixture(autouse=True)
+def _at_every_level(cpu_isa: str) -> None:
+    """Every test at every ISA level this CPU runs (conftest.cpu_isa), its build required."""
+    require_kernel(cpu_backend.kernel)
 
 
 def _ragged(n: int, lo: int, hi: int) -> list[int]:
@@ -174,3 +179,9 @@ def test_write_kv_matches_torch(dtype: torch.dtype, T: int) -> None:
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_backend.kernel().write_kv(k, v, kc, vc, bad)
     assert torch.equal(kc, kr)  # checked before any write
+
+
+def test_decode_writes_only_its_sequences() -> None:
+    from tests.attention.test_cpu_prefill import check_writes_only_their_sequences
+
+    check_writes_only_their_sequences("decode")

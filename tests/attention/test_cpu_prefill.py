@@ -13,10 +13,16 @@ from flatserve.attention import cpu_backend
 from flatserve.attention.base import LayerAttnParams
 from flatserve.attention.torch_backend import TorchAttentionBackend, paged_attention_ref
 from tests.attention.cases import make_case, rel_err
+from tests.conftest import require_kernel
 
-pytestmark = pytest.mark.skipif(not cpu_backend.prefill_available(),
-                                reason="AMX prefill kernel needs AMX bf16 and a build: "
-                                       f"{cpu_backend.prefill_kernel.error or 'no AMX bf16 here'}")
+
+
+@pytest.fixture(autouse=True)
+def _at_amx(amx_isa: str) -> None:
+    """The prefill kernel exists at the amx level only (conftest.amx_isa skips elsewhere)."""
+    require_kernel(cpu_backend.kernel)
+    require_kernel(cpu_backend.prefill_kernel)
+    assert cpu_backend.prefill_available(), "AMX tile state not granted by the OS"
 
 
 def check(q_lens: list[int], seq_lens: list[int], hq: int, hkv: int, d: int,
@@ -106,12 +112,18 @@ def test_backend_mixed_batch(q_lens: list[int], window: int | None) -> None:
 def test_whole_model_as_close_to_fp32_as_sdpa(tmp_path, monkeypatch) -> None:
     """A bf16 Gemma 3 checkpoint (window 64, shorter than the prompts) with prompts chunked by a
     small token budget: first-token logprobs through the AMX prefill kernel are no further from
-    the fp32 engine than those through SDPA (twice their worst gap, or 2e-2)."""
+    the fp32 engine than those through SDPA, up to the one extra rounding the kernel makes.
+
+    Why the bound: both bf16 runs round the same weights and the attention output once; the
+    kernel also rounds P to bf16 before P V, a relative error of at most 2^-9 per weight, the
+    size of the output rounding both already make. So its gap is at most about twice SDPA's,
+    plus an additive floor (1e-2) for the order of sums, which moves with the thread count
+    (seeded prompts: the inputs are fixed, only the threads vary between machines)."""
     from flatserve import LLM, SamplingParams
     from tests.conftest import build_checkpoint
 
     path, _ = build_checkpoint("gemma3", tmp_path)
-    rng = random.Random()
+    rng = random.Random(20261125)
     prompts = [{"prompt_token_ids": [rng.randrange(4, 500) for _ in range(rng.randint(17, 200))]}
                for _ in range(6)]
     sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5, ignore_eos=True)
@@ -123,7 +135,7 @@ def test_whole_model_as_close_to_fp32_as_sdpa(tmp_path, monkeypatch) -> None:
     for name, kw in (("fp32", dict(dtype="float32", attention_backend="torch")),
                      ("sdpa", dict(dtype="bfloat16", attention_backend="cpu-sdpa")),
                      ("amx", dict(dtype="bfloat16", attention_backend="cpu"))):
-        llm = LLM(model=str(path), max_model_len=256, max_num_batched_tokens=96, **kw)
+        llm = LLM(model=str(path), device="cpu", max_model_len=256, max_num_batched_tokens=96, **kw)
         runs[name] = [o.outputs[0].logprobs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert bool(calls) == (name == "amx")
         del llm
@@ -132,11 +144,14 @@ def test_whole_model_as_close_to_fp32_as_sdpa(tmp_path, monkeypatch) -> None:
         return max(abs(a[t].logprob - b[t].logprob)
                    for a, b in zip(runs[name], runs["fp32"]) for t in set(a) & set(b))
 
-    assert worst("amx") <= max(2 * worst("sdpa"), 2e-2)
+    assert worst("amx") <= 2 * worst("sdpa") + 1e-2
 
 
-@pytest.mark.parametrize("which", ["decode", "prefill"])
-def test_kernels_write_only_their_sequences(which: str) -> None:
+def test_prefill_writes_only_its_sequences() -> None:
+    check_writes_only_their_sequences("prefill")
+
+
+def check_writes_only_their_sequences(which: str) -> None:
     """With `seqs`, a kernel reads its sequences' rows of the whole step's q and writes exactly
     those rows of `out`: each equals the kernel run on that sequence alone, the other rows keep
     what was there (how a mixed step sends decodes and chunks to their kernels without copies)."""

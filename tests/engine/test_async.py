@@ -34,7 +34,7 @@ def _requests(rng: random.Random, stop_tok: int, stop_str: str) -> list[tuple[li
 
 
 def _run(path, reqs, **kw) -> tuple[list, LLM]:
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, **kw)
+    llm = LLM(device="cpu", model=str(path), dtype="float32", max_model_len=256, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [sp for _, sp in reqs],
                         use_tqdm=False)
     return outs, llm
@@ -78,7 +78,7 @@ def test_async_abort_mid_flight(tiny_checkpoint) -> None:
     prompts = [[rng.randrange(4, 500) for _ in range(rng.randint(5, 80))] for _ in range(6)]
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ref, _ = _run(path, [(p, sp) for p in prompts], async_scheduling=False)
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, async_scheduling=True)
+    llm = LLM(device="cpu", model=str(path), dtype="float32", max_model_len=256, async_scheduling=True)
     eng = llm.engine
     ids = [eng.add_request(p, sp) for p in prompts]
     done = {}

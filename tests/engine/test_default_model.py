@@ -14,7 +14,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def llm(default_model_path) -> LLM:
-    return LLM(model=str(default_model_path), dtype="float32", kv_cache_memory=256 * 2**20,
+    return LLM(device="cpu", model=str(default_model_path), dtype="float32", kv_cache_memory=256 * 2**20,
                max_model_len=2048)
 
 
@@ -80,14 +80,14 @@ def test_bad_sampling_params(kw, match) -> None:
 
 def test_bad_model_paths(tmp_path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
-        LLM(model=str(tmp_path / "nope"))
+        LLM(device="cpu", model=str(tmp_path / "nope"))
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        LLM(model=str(tmp_path), num_gpu_blocks_override=8)
+        LLM(device="cpu", model=str(tmp_path), num_gpu_blocks_override=8)
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(ValueError, match="cannot read GGUF"):
-        LLM(model=str(bad))
+        LLM(device="cpu", model=str(bad))
 
 
 def test_stop_strings_seed_and_n(llm) -> None:

@@ -34,7 +34,7 @@ def test_outputs_identical_with_and_without_caching(ckpts, family: str) -> None:
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     results = {}
     for caching in (True, False):
-        llm = LLM(model=str(ckpts[family]), dtype="float32", num_gpu_blocks_override=200,
+        llm = LLM(device="cpu", model=str(ckpts[family]), dtype="float32", num_gpu_blocks_override=200,
                   max_model_len=1024, enable_prefix_caching=caching, max_num_batched_tokens=64)
         outs = []
         for turn in range(5):  # turn by turn, as a client would send them
@@ -48,7 +48,7 @@ def test_outputs_identical_with_and_without_caching(ckpts, family: str) -> None:
 
 
 def test_shared_prefix_prefills_only_new_tokens(ckpts) -> None:
-    llm = LLM(model=str(ckpts["qwen3"]), dtype="float32", num_gpu_blocks_override=100, max_model_len=512)
+    llm = LLM(device="cpu", model=str(ckpts["qwen3"]), dtype="float32", num_gpu_blocks_override=100, max_model_len=512)
     rng = random.Random()
     prefix = [rng.randrange(4, 512) for _ in range(160)]  # 10 full blocks
     p = SamplingParams(max_tokens=1, temperature=0)
@@ -65,7 +65,7 @@ def test_shared_prefix_prefills_only_new_tokens(ckpts) -> None:
 
 
 def test_abort_mid_prefill_leaves_no_blocks(ckpts) -> None:
-    llm = LLM(model=str(ckpts["qwen3"]), dtype="float32", num_gpu_blocks_override=100,
+    llm = LLM(device="cpu", model=str(ckpts["qwen3"]), dtype="float32", num_gpu_blocks_override=100,
               max_model_len=512, max_num_batched_tokens=32)
     eng = llm.engine
     rid = eng.add_request(list(range(4, 300)), SamplingParams(max_tokens=5))

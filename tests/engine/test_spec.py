@@ -110,7 +110,7 @@ def _params() -> list[SamplingParams]:
 
 
 def _run(path, seed: int, **kw):
-    llm = LLM(model=str(path), dtype="float32", **{"num_gpu_blocks_override": 200, **kw})
+    llm = LLM(device="cpu", model=str(path), dtype="float32", **{"num_gpu_blocks_override": 200, **kw})
     outs = llm.generate(_prompts(seed), _params(), use_tqdm=False)
     eng = llm.engine
     assert eng.kv.num_used_blocks == 0  # rejected slots rolled back, nothing leaked
@@ -161,7 +161,7 @@ def test_greedy_identical_with_speculation(tiny_checkpoint, drafts, mode) -> Non
 def test_stop_string_inside_accepted_drafts(tiny_checkpoint) -> None:
     """A stop string that ends on an accepted draft cuts the tokens accepted after it."""
     _, path, _ = tiny_checkpoint
-    probe = LLM(model=str(path), dtype="float32", num_gpu_blocks_override=100)
+    probe = LLM(device="cpu", model=str(path), dtype="float32", num_gpu_blocks_override=100)
     # ignore_eos: a random model may emit eos early, leaving no middle word to stop on (a fresh
     # prompt once gave fewer than 13 words). Special tokens print no word, so draw until one does.
     for _ in range(10):
@@ -176,7 +176,7 @@ def test_stop_string_inside_accepted_drafts(tiny_checkpoint) -> None:
     stop = words[12]  # a word from the middle of the output
     sp = SamplingParams(max_tokens=30, temperature=0, stop=[stop], ignore_eos=True)
     ref = probe.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
-    llm = LLM(model=str(path), dtype="float32", num_gpu_blocks_override=100,
+    llm = LLM(device="cpu", model=str(path), dtype="float32", num_gpu_blocks_override=100,
               speculative_method="draft", speculative_model=str(path), num_speculative_tokens=5)
     got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     assert (got.text, got.token_ids, got.finish_reason) == (ref.text, ref.token_ids, "stop")

@@ -11,8 +11,7 @@ from torch import nn
 
 from flatserve.model import amx, onednn
 
-needs_amx = pytest.mark.skipif(not amx.available(torch.bfloat16),
-                               reason="no AMX bf16 (CPU, kernel build or OS grant) here")
+needs_amx = pytest.mark.usefixtures("amx_kernel")  # the amx level; skips where the CPU has none
 
 
 @needs_amx

@@ -21,14 +21,14 @@ def test_packed_model_is_as_close_to_fp32_as_plain_bf16(gemm, family, tmp_path) 
     from tests.conftest import build_checkpoint
 
     path, _ = build_checkpoint(family, tmp_path)
-    rng = random.Random()
+    rng = random.Random(20261125)  # seeded: the bound below is checked on fixed inputs
     prompts = [{"prompt_token_ids": [rng.randrange(4, 500) for _ in range(rng.randint(1, 120))]}
                for _ in range(6)]
     sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5, ignore_eos=True)
     runs = {}
     for name, kw in (("fp32", dict(dtype="float32")), ("torch", dict(dtype="bfloat16", cpu_gemm="torch")),
                      (gemm, dict(dtype="bfloat16", cpu_gemm=gemm))):
-        llm = LLM(model=str(path), max_model_len=256, **kw)
+        llm = LLM(device="cpu", model=str(path), max_model_len=256, **kw)
         assert llm.engine.state.cpu_gemm == (gemm if name == gemm else "torch")
         if name == "amx":  # the test configs tile: every linear is on the kernel
             linears = [m for m in llm.engine.runner.model.modules()
@@ -51,8 +51,8 @@ def test_auto_picks_the_first_path_that_runs(tmp_path) -> None:
 
     path, _ = build_checkpoint("llama", tmp_path)
     want = next((g for g in ("amx", "onednn") if AVAILABLE[g]), "torch")
-    assert LLM(model=str(path), dtype="bfloat16", max_model_len=64).engine.state.cpu_gemm == want
-    assert LLM(model=str(path), dtype="float32", max_model_len=64).engine.state.cpu_gemm == "torch"
+    assert LLM(device="cpu", model=str(path), dtype="bfloat16", max_model_len=64).engine.state.cpu_gemm == want
+    assert LLM(device="cpu", model=str(path), dtype="float32", max_model_len=64).engine.state.cpu_gemm == "torch"
 
 
 @pytest.mark.parametrize("gemm", ["onednn", "amx"])
@@ -60,4 +60,4 @@ def test_packed_path_refused_where_it_cannot_apply(gemm) -> None:
     from flatserve import LLM
 
     with pytest.raises(ValueError, match=f"cpu_gemm '{gemm}' needs"):
-        LLM(model=None, dtype="float32", cpu_gemm=gemm)
+        LLM(device="cpu", model=None, dtype="float32", cpu_gemm=gemm)

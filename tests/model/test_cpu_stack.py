@@ -12,11 +12,10 @@ import torch
 
 from flatserve import LLM, SamplingParams
 from flatserve.attention.metadata import current_metadata
-from flatserve.model import amx, avx2, cpu_stack
+from flatserve.model import avx2, cpu_stack
 from flatserve.model.layers import DecoderLayers
 
-needs_amx = pytest.mark.skipif(not amx.available(torch.bfloat16),
-                               reason="no AMX bf16 (CPU, kernel build or OS grant) here")
+needs_amx = pytest.mark.usefixtures("amx_kernel")  # the amx level; skips where the CPU has none
 # The stack's GEMM: the AMX kernel or the AVX2 one (same op signature), each where it runs.
 GEMMS = [pytest.param("amx", marks=needs_amx),
          pytest.param("avx2", marks=pytest.mark.skipif(
@@ -79,7 +78,7 @@ def test_stack_only_where_every_kernel_is_its_own(tiny_checkpoint, kw: dict) -> 
     """Off on request, and wherever a layer would leave the kernels the stack calls; the
     Python layers then run every step."""
     _, path, _ = tiny_checkpoint
-    llm = LLM(model=str(path), **{"dtype": "bfloat16", "cpu_gemm": "amx", "max_model_len": 256,
+    llm = LLM(device="cpu", model=str(path), **{"dtype": "bfloat16", "cpu_gemm": "amx", "max_model_len": 256,
                                   "num_gpu_blocks_override": 32, **kw})
     assert _layers(llm).fast is None
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)

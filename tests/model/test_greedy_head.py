@@ -9,12 +9,11 @@ import random
 import pytest
 import torch
 
-from flatserve import device as dev
+from flatserve import kernels
 from flatserve.model import amx, greedy_head
 from flatserve.model.greedy_head import Int8GreedyHead, quantize_7bit, x_stats
 
-needs_amx = pytest.mark.skipif(not amx.available(torch.bfloat16),
-                               reason="no AMX bf16 (CPU, kernel build or OS grant) here")
+needs_amx = pytest.mark.usefixtures("amx_kernel")  # the amx level; skips where the CPU has none
 
 
 def _head(n: int, k: int, plain: bool, dup: list[tuple[int, int]]) -> amx.AMXLinear:
@@ -39,7 +38,7 @@ def test_tokens_equal_the_bf16_head_argmax(plain: bool, rows: int, monkeypatch) 
     x[:, random.randrange(k)] *= 30  # an outlier channel, as real hidden states have
     x[0] = head.plain_weight()[b].float() * 40  # row 0's best: rows a and b tie exactly
     x = x.bfloat16()
-    ref = dev.row_argmax(head(x))
+    ref = kernels.row_argmax(head(x))
     assert ref[0].item() == a
     got = greedy(x)
     assert torch.equal(got, ref), (got, ref)
@@ -62,7 +61,7 @@ def test_ties_one_bf16_step_apart(monkeypatch) -> None:
     monkeypatch.setattr(greedy_head, "UNION_CAP", 1)
     head = amx.AMXLinear(w, None, plain=True)
     greedy = Int8GreedyHead(head)
-    assert torch.equal(greedy(x), dev.row_argmax(head(x))) and greedy.fallbacks == 0
+    assert torch.equal(greedy(x), kernels.row_argmax(head(x))) and greedy.fallbacks == 0
 
 
 @needs_amx
@@ -110,7 +109,7 @@ def test_the_bound_covers_what_the_split_of_x_drops() -> None:
     x[0, out], x[0, m] = 1024, 100.4 * sx
     x = x.bfloat16()
     logits = head(x).float()[0]
-    assert dev.row_argmax(head(x)).item() == b and logits[b] - logits[a] > 4
+    assert kernels.row_argmax(head(x)).item() == b and logits[b] - logits[a] > 4
     off, cand, _ = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
                                               x_stats(x))
     assert b in cand[off[0]:off[1]].tolist()
@@ -123,11 +122,11 @@ def test_nan_and_many_rows_take_the_full_head() -> None:
     greedy = Int8GreedyHead(head)
     x = torch.randn(3, 64).bfloat16()
     x[1, 5] = float("nan")
-    assert torch.equal(greedy(x), dev.row_argmax(head(x))) and greedy.fallbacks == 1
+    assert torch.equal(greedy(x), kernels.row_argmax(head(x))) and greedy.fallbacks == 1
     many = torch.randn(40, 64).bfloat16()  # past MAX_ROWS: the bf16 head decides
-    assert torch.equal(greedy(many), dev.row_argmax(head(many))) and greedy.fallbacks == 2
+    assert torch.equal(greedy(many), kernels.row_argmax(head(many))) and greedy.fallbacks == 2
     flat = torch.zeros(2, 64).bfloat16()  # every row ties: too many candidates to gather
-    assert torch.equal(greedy(flat), dev.row_argmax(head(flat))) and greedy.fallbacks == 3
+    assert torch.equal(greedy(flat), kernels.row_argmax(head(flat))) and greedy.fallbacks == 3
 
 
 @needs_amx
@@ -147,7 +146,7 @@ def test_greedy_generation_identical_with_the_head_on_and_off(family: str, tmp_p
     monkeypatch.setattr(greedy_head, "UNION_CAP", 1)
     out = {}
     for on in (True, False):
-        llm = LLM(model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=256,
+        llm = LLM(device="cpu", model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=256,
                   greedy_int8_head=on)
         head = llm.engine.runner.greedy_head
         assert (head is not None) == on

@@ -25,7 +25,7 @@ def _prompts(seed: int, n: int = 8, max_len: int = 300) -> list[list[int]]:
 def _llm(path, **kw) -> LLM:
     kw.setdefault("num_gpu_blocks_override", 400)
     kw.setdefault("max_model_len", 1024)
-    return LLM(model=str(path), dtype="float32", **kw)
+    return LLM(device="cpu", model=str(path), dtype="float32", **kw)
 
 
 def test_logits_match_transformers_on_ragged_batch(tiny_checkpoint) -> None:

@@ -20,7 +20,7 @@ def test_layers_share_their_rope_table_and_steps_never_grow_it(family: str, tabl
 
     path, _ = build_checkpoint(family, tmp_path)
     max_len = random.choice([96, 160, 200])
-    llm = LLM(model=str(path), dtype="float32", max_model_len=max_len)
+    llm = LLM(device="cpu", model=str(path), dtype="float32", max_model_len=max_len)
     model = llm.engine.runner.model
     rotaries = [m for m in model.modules() if isinstance(m, Rotary)]
     stores = {id(r.store) for r in rotaries}

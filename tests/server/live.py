@@ -20,8 +20,8 @@ FAST = ["--attention-backend", "torch", "--fused-ops", "none", "--cpu-gemm", "to
 
 
 NO_CPP = """
-import flatserve.device as _dev
-_dev.CpuExtension.__call__ = lambda self: None  # see no_cpp_builds
+import flatserve.kernels as _k
+_k.CpuKernel.__call__ = lambda self: None  # see no_cpp_builds
 """
 
 
@@ -30,10 +30,10 @@ def no_cpp_builds() -> Iterator[None]:
     """These tests exercise validation, isolation and the server, not the kernels: no C++ build
     (minutes on a busy 2-core box, and they fail on AVX2-only CPUs anyway) while inside, so the
     engine runs the torch paths it falls back to. Nothing is cached: later tests build as usual."""
-    import flatserve.device as dev
+    import flatserve.kernels as kernels
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dev.CpuExtension, "__call__", lambda self: None)
+        mp.setattr(kernels.CpuKernel, "__call__", lambda self: None)
         yield
 
 

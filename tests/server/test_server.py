@@ -28,7 +28,7 @@ def _free_port() -> int:
 def server(default_model_path):
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port), "--api-key", KEY,
+        [sys.executable, "-m", "flatserve.cli", "serve", "--device", "cpu", "--port", str(port), "--api-key", KEY,
          "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "32",
          "--served-model-name", "gemma-test"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -226,7 +226,7 @@ def test_auth_and_open_routes(server) -> None:
 
 def test_sigterm_mid_stream_ends_streams_and_exits_zero(default_model_path) -> None:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--device", "cpu", "--port", str(port),
                              "--kv-cache-memory", "128MiB", "--max-model-len", "512",
                              "--shutdown-timeout", "0"],  # no drain: abort at once
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,0 +1,134 @@
+"""The C++ kernels' builds (flatserve/kernels.py): explicit per-level flags, the level picked from
+the CPU and forced down by FLATSERVE_CPU_ISA, one on-disk cache keyed by source and flags, a
+failed build remembered (never retried at each start), and concurrent first starts building once.
+CPU only: nothing here touches a GPU."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from flatserve import device as dev
+from flatserve import kernels
+
+
+def test_level_flags_are_explicit_and_nested() -> None:
+    """No -march=native anywhere; each x86 level's flags contain the level's below it; portable
+    is the x86-64 baseline, and off x86 no flags at all (aarch64 builds it)."""
+    flags = {lv: kernels.level_flags(lv, x86=True) for lv in kernels.LEVELS}
+    assert not any("native" in f for fl in flags.values() for f in fl)
+    assert flags["portable"] == ["-march=x86-64"]
+    assert {"-mavx2", "-mfma", "-mf16c", "-mbmi2"} <= set(flags["avx2"])
+    assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"} <= set(flags["avx512"])
+    assert {"-mamx-tile", "-mamx-bf16", "-mamx-int8"} <= set(flags["amx"])
+    for lo, hi in [("portable", "avx2"), ("avx2", "avx512"), ("avx512", "amx")]:
+        assert set(flags[lo]) < set(flags[hi])
+    assert kernels.level_flags("portable", x86=False) == []
+    with pytest.raises(ValueError, match="unknown ISA level"):
+        kernels.level_flags("sse9")
+
+
+def test_the_level_is_the_best_the_cpu_runs_and_can_only_be_forced_down(monkeypatch) -> None:
+    monkeypatch.setattr(dev, "cpu_isa_levels", lambda: ("avx2", "portable"))
+    monkeypatch.delenv("FLATSERVE_CPU_ISA", raising=False)
+    assert dev.cpu_isa() == "avx2"
+    monkeypatch.setenv("FLATSERVE_CPU_ISA", "portable")
+    assert dev.cpu_isa() == "portable"
+    monkeypatch.setenv("FLATSERVE_CPU_ISA", "amx")
+    with pytest.raises(ValueError, match="this CPU runs only avx2, portable"):
+        dev.cpu_isa()
+    monkeypatch.setenv("FLATSERVE_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="choose one of auto, amx, avx512, avx2, portable"):
+        dev.cpu_isa()
+
+
+def test_this_cpus_levels_follow_its_flags() -> None:
+    """The detected levels are nested (a CPU that runs one runs every level below it) and always
+    end with portable; where /proc/cpuinfo lists AVX2's flags, avx2 is among them."""
+    levels = dev.cpu_isa_levels()
+    assert levels[-1] == "portable"
+    assert list(levels) == [lv for lv in dev.ISA_LEVELS if lv in levels]
+    order = list(dev.ISA_LEVELS)
+    assert order[order.index(levels[0]):] == list(levels)
+    if {"avx2", "fma", "f16c", "bmi2"} <= dev._cpu_flags():
+        assert "avx2" in levels
+
+
+def test_the_device_module_imports_no_kernel_module() -> None:
+    """Hardware detection imports nothing that imports it back (no cycles)."""
+    out = subprocess.run([sys.executable, "-c", "import sys, flatserve.device; print(' '.join("
+                          "m for m in sys.modules if m.startswith('flatserve')))"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert not [m for m in out if m.split(".")[1:2] in (["attention"], ["ops"], ["model"], ["kernels"])], out
+
+
+def test_the_cache_key_follows_source_and_level(tmp_path) -> None:
+    src = tmp_path / "k.cpp"
+    src.write_text("int f() { return 1; }\n")
+    a = kernels.Build("flatserve_test_key", src, "portable")
+    assert kernels.Build("flatserve_test_key", src, "portable").dir == a.dir
+    if "avx2" in dev.cpu_isa_levels():
+        assert kernels.Build("flatserve_test_key", src, "avx2").dir != a.dir
+    src.write_text("int f() { return 2; }\n")
+    assert kernels.Build("flatserve_test_key", src, "portable").dir != a.dir
+
+
+def test_a_failed_build_is_remembered_and_reported_once(tmp_path, monkeypatch, caplog) -> None:
+    """What every C++ path's fallback hangs on: the kernel is None with its reason, logged once;
+    the next start (a new CpuKernel) reads the failure from disk instead of compiling again."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "broken.cpp"
+    src.write_text("#include <pybind11/pybind11.h>\nthis is not C++;\n")
+    k = kernels.CpuKernel("flatserve_test_broken", src, "the test's fallback runs", level_free=True)
+    with caplog.at_level("WARNING"):
+        assert k() is None and k() is None  # built (and failed) once
+    assert k.error and [r.getMessage() for r in caplog.records].count(
+        f"flatserve_test_broken_portable unavailable ({k.error}); the test's fallback runs") == 1
+    b = k.build_for("portable")
+    assert "error" in (b.failure() or "") and (b.dir / "build.log").exists()
+
+    def no_compile(self) -> None:
+        raise AssertionError("a remembered failure was compiled again")
+
+    monkeypatch.setattr(kernels.Build, "_compile", no_compile)
+    again = kernels.CpuKernel("flatserve_test_broken", src, "the test's fallback runs", level_free=True)
+    t0 = time.time()
+    assert again() is None and "build failed earlier" in again.error and "--retry" in again.error
+    assert time.time() - t0 < 5
+
+
+_RACE_SRC = """
+#include <pybind11/pybind11.h>
+int add(int a, int b) { return a + b; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add); }
+"""
+
+_RACE_CHILD = """
+import sys
+from flatserve import kernels
+k = kernels.CpuKernel("flatserve_test_race", sys.argv[1], "none", level_free=True)
+b = k.build_for("portable")
+compiled = b.build()
+print(compiled, b.load().add(2, 3))
+"""
+
+
+def test_concurrent_first_starts_build_once(tmp_path) -> None:
+    """Two processes on an empty cache (two servers, two xdist workers): one compiles under the
+    file lock, the other waits and loads its build; neither sees a half-written module."""
+    import os
+
+    src = tmp_path / "race.cpp"
+    src.write_text(textwrap.dedent(_RACE_SRC))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE_CHILD, str(src)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    lines = sorted(o[0].split()[-2] + " " + o[0].split()[-1] for o in outs)
+    assert lines == ["False 5", "True 5"], lines
+    assert len(list(Path(tmp_path / "cache" / "flatserve").glob("flatserve_test_race_portable-*/OK"))) == 1
