@@ -11,7 +11,8 @@ from typing import Any
 from flatserve.config import EngineConfig
 from flatserve.engine.detokenizer import IncrementalDetokenizer
 from flatserve.engine.kv_manager import KVCacheManager
-from flatserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from flatserve.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
+                                      RequestOutputKind)
 from flatserve.engine.request import Request, RequestStatus
 from flatserve.engine.sampler import Logprobs, Sampler
 from flatserve.engine.sampling_params import SEED_MOD, ParamError, SamplingParams, check_text
@@ -31,6 +32,8 @@ class _Child:
     detok: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    sent_tokens: int = 0  # DELTA outputs: tokens and characters already handed out
+    sent_chars: int = 0
 
 
 @dataclass(slots=True)
@@ -39,6 +42,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     metrics: RequestMetrics
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     children: list[_Child] = field(default_factory=list)
 
     @property
@@ -118,7 +122,7 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in flight")
         room = max_len - len(ids)
         max_tokens = min(params.max_tokens or room, room)
-        parent = _Parent(rid, text, ids, RequestMetrics(time.monotonic()))
+        parent = _Parent(rid, text, ids, RequestMetrics(time.monotonic()), params.output_kind)
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:  # distinct, reproducible samples
@@ -299,7 +303,7 @@ class Engine:
                 parent.metrics.first_token_time = now
             if done:
                 parent.metrics.finished_time = now
-            if emit_unfinished or done:
+            if done or (emit_unfinished and parent.kind is not RequestOutputKind.FINAL_ONLY):
                 results.append(self._output(parent))
             if done:
                 self._drop(parent)
@@ -355,11 +359,19 @@ class Engine:
 
     def _output(self, parent: _Parent) -> RequestOutput:
         outs = []
+        delta = parent.kind is RequestOutputKind.DELTA
         for i, c in enumerate(parent.children):
             r = c.req
+            text, lps = c.detok.visible_text(r.status.finished), c.logprobs
+            if delta:  # only what is new: slices as long as this step's tokens, not the output
+                t0, c0 = c.sent_tokens, c.sent_chars
+                c.sent_tokens, c.sent_chars = r.num_output_tokens, len(text)
+                ids = r.token_ids[r.num_prompt_tokens + t0:]
+                text, lps = text[c0:], None if lps is None else lps[t0:]
+            else:
+                ids = r.output_token_ids  # a fresh list
             outs.append(CompletionOutput(
-                i, c.detok.visible_text(r.status.finished), list(r.output_token_ids),
-                c.cumulative_logprob if c.logprobs is not None else None, c.logprobs,
+                i, text, ids, c.cumulative_logprob if c.logprobs is not None else None, lps,
                 r.finish_reason, r.stop_reason))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
                              parent.finished, max(c.req.num_cached_tokens for c in parent.children),

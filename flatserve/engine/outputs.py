@@ -1,7 +1,19 @@
 """Result records shaped like vLLM's (`RequestOutput.outputs[i].text` etc.)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names). CUMULATIVE: everything so
+    far, every step. DELTA: only what is new since the last output (streaming: a step's work per
+    request stays constant instead of growing with the output). FINAL_ONLY: one output, at the
+    end (non-streaming requests: nothing is built while they run)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from flatserve.engine.outputs import RequestOutputKind
+
 # Seeds of any size are reduced to 64 bits, deterministically (Python ints are unbounded; the
 # generators take 64). n past this many samples is refused: each is a full request's state.
 SEED_MOD = 1 << 64
@@ -40,6 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # an output constraint (grammar)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_list: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
