@@ -75,37 +75,10 @@ def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
             if st.model.moe is not None:  # only the experts a step selects are read
                 res[f"floor_active_ms_b{bs}"] = (moe_active_bytes(st, bs) + kv) / bw * 1e3
             for emit, tag in ((False, ""), (True, "stream_")):
-                med, mean = _step_gaps(llm.engine, bs, vocab, a.input, emit)
+                med, mean = decode_step_ms(llm.engine, bs, vocab, a.input, emit, with_mean=True)
                 res[f"decode_step_{tag}ms_b{bs}"] = med
                 res[f"decode_step_{tag}mean_ms_b{bs}"] = mean
     return res
-
-
-def _step_gaps(eng, bs: int, vocab: int, ctx: int, emit: bool) -> tuple[float, float]:
-    import torch
-
-    from flatserve import SamplingParams
-
-    for p in prompts(bs, ctx, vocab, seed=bs + emit):  # fresh prompts: no prefix-cache hits
-        eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
-        eng.step(emit)
-    for _ in range(3):
-        eng.step(emit)
-    # Back to back, as a run steps (async scheduling overlaps host and GPU only here): the
-    # interval between step returns is one step in steady state; the median drops a Python
-    # GC pause or an OS hiccup, the mean keeps them.
-    torch.cuda.synchronize()
-    stamps = [time.perf_counter()]
-    for _ in range(30):
-        eng.step(emit)
-        stamps.append(time.perf_counter())
-    torch.cuda.synchronize()
-    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
-    mean = (time.perf_counter() - stamps[0]) / 30 * 1e3
-    while eng.has_unfinished():
-        eng.step(emit)
-    return gaps[len(gaps) // 2] * 1e3, mean
 
 
 def run_hf(a: argparse.Namespace) -> dict:

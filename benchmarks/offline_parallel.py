@@ -28,6 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, ".")
 
+from flatserve.bench.gpu import decode_step_ms  # noqa: E402
+
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     import random
@@ -71,8 +73,11 @@ def run_layout(a: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
             return sum(len(o.outputs[0].token_ids) for o in outs)
 
-        res = _timed(run, llm.engine.state.model.vocab_size, a)
+        vocab = llm.engine.state.model.vocab_size
+        res = _timed(run, vocab, a)
         res["kv_blocks"] = llm.engine.state.budget.num_blocks
+        res["greedy_20"] = _ragged_greedy(llm, vocab)
+        res["decode_step_ms_b64"] = decode_step_ms(llm.engine, 64, vocab, a.input)
         getattr(llm, "shutdown", lambda: None)()
         return res
     # dp2: two engines, one per GPU, each built and stepped on its own thread.
@@ -109,6 +114,19 @@ def run_layout(a: argparse.Namespace) -> dict:
     return _timed(run, llms[0].engine.state.model.vocab_size, a)
 
 
+def _ragged_greedy(llm, vocab: int) -> list[list[int]]:
+    """Greedy tokens for 20 prompts of ragged lengths (8..600): TP=2 must give TP=1's."""
+    import random
+
+    from flatserve import SamplingParams
+
+    rng = random.Random(7)
+    ps = [[rng.randrange(4, vocab) for _ in range(rng.randint(8, 600))] for _ in range(20)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def _checkout(rev: str) -> str:
     """`rev` of this repository as a plain tree in a tmp dir (the baseline imports from it)."""
     d = tempfile.mkdtemp(prefix=f"flatserve-{rev}-")
@@ -123,11 +141,13 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=500)
     p.add_argument("--input", type=int, default=512)
     p.add_argument("--output", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    # Unset: the engine's defaults (sized by the device), what users get.
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--layouts", default="base,tp1,tp2,dp2")
     p.add_argument("--base-rev", default="main")
     p.add_argument("--ckpt-dir", default="/tmp/ckpt")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # one subprocess's layout
     p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -148,12 +168,21 @@ def main() -> None:
         out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         results[layout] = json.loads(line[-1][7:]) if line else {"error": out.stderr[-3000:]}
-        print(layout, json.dumps(results[layout]), flush=True)
+        print(layout, json.dumps({k: v for k, v in results[layout].items() if k != "greedy_20"}), flush=True)
+    ref = results.get("tp1", {}).get("greedy_20")
+    for k, r in results.items():
+        if ref is not None and "greedy_20" in r and k != "tp1":
+            same = sum(x == y for x, y in zip(r["greedy_20"], ref))
+            print(f"{k}: greedy tokens identical to tp1 on {same}/{len(ref)} ragged prompts")
+        if "decode_step_ms_b64" in r and "decode_step_ms_b64" in results.get("tp1", {}):
+            print(f"{k}: decode step b64 {r['decode_step_ms_b64']:.3f} ms = "
+                  f"{r['decode_step_ms_b64'] / results['tp1']['decode_step_ms_b64']:.3f}x tp1")
     if "tok_per_s" in results.get("base", {}):
         for k, r in results.items():
             if "tok_per_s" in r:
                 print(f"{k}: {r['tok_per_s']:.0f} tok/s = {r['tok_per_s'] / results['base']['tok_per_s']:.3f}x base")
-    print(json.dumps({"args": vars(a), "results": results}, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -37,3 +37,33 @@ def moe_active_bytes(st, bs: int) -> float:
     sparse = sum(moe.sparse_layers)
     chosen = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** bs)
     return st.weights_bytes - sparse * per_expert * (moe.num_experts - chosen)
+
+
+def decode_step_ms(eng, bs: int, vocab: int, ctx: int, emit: bool = False,
+                   with_mean: bool = False):
+    """Decode-step time of `bs` requests at context ~ctx: the median interval of 30 back-to-back
+    `Engine.step`s (async scheduling overlaps host and GPU only when stepped back to back; the
+    median drops a GC pause or an OS hiccup) and, with_mean, their mean. `emit` steps as the
+    server does (outputs for unfinished requests too)."""
+    import torch
+
+    from flatserve import SamplingParams
+
+    for p in prompts(bs, ctx, vocab, seed=bs + emit):  # fresh prompts: no prefix-cache hits
+        eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step(emit)
+    for _ in range(3):
+        eng.step(emit)
+    torch.cuda.synchronize()
+    stamps = [time.perf_counter()]
+    for _ in range(30):
+        eng.step(emit)
+        stamps.append(time.perf_counter())
+    torch.cuda.synchronize()
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    mean = (time.perf_counter() - stamps[0]) / 30 * 1e3
+    while eng.has_unfinished():
+        eng.step(emit)
+    med = gaps[len(gaps) // 2] * 1e3
+    return (med, mean) if with_mean else med
