@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flatserve.engine.engine import Engine
-from flatserve.engine.outputs import RequestOutput
+from flatserve.engine.outputs import RequestOutput, RequestOutputKind
 from flatserve.engine.sampling_params import SamplingParams
 from flatserve.server.metrics import Metrics
 
@@ -29,6 +29,7 @@ class _Stream:
     start: float = field(default_factory=time.perf_counter)
     last: float = 0.0
     tokens: int = 0
+    delta: bool = False  # the request's outputs carry only what is new
 
 
 class AsyncEngine:
@@ -93,7 +94,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         q: asyncio.Queue = asyncio.Queue()
-        self._cmds.put(("add", rid, prompt_ids, params, _Stream(loop, q), fut))
+        delta = params.output_kind is RequestOutputKind.DELTA
+        self._cmds.put(("add", rid, prompt_ids, params, _Stream(loop, q, delta=delta), fut))
         while not fut.done():  # an engine that stops between the check above and now: no hang
             await asyncio.wait({fut}, timeout=0.5)
             if self.error is not None and not fut.done():
@@ -190,7 +192,9 @@ class AsyncEngine:
         if stream is None:
             return
         now = time.perf_counter()
-        n = sum(len(c.token_ids) for c in out.outputs)
+        n = sum(len(c.token_ids) for c in out.outputs)  # new tokens (DELTA) or all so far
+        if stream.delta:
+            n += stream.tokens
         if n > stream.tokens:
             if stream.tokens == 0:
                 self.metrics.ttft.observe(now - stream.start)

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flatserve.engine.chat import render
 from flatserve.engine.outputs import CompletionOutput, RequestOutput
+from flatserve.engine.outputs import RequestOutputKind
 from flatserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from flatserve.server.async_engine import Unavailable
 from flatserve.server.protocol import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling
@@ -89,7 +90,11 @@ def _params(req: _Sampling, max_tokens: int, logprobs: int | None,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None,
             stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
-            structured_outputs=structured)
+            structured_outputs=structured,
+            # A stream sends what is new each step; the engine then builds only that (the
+            # cumulative text and token list of every streaming request grew every step).
+            output_kind=RequestOutputKind.DELTA if getattr(req, "stream", False)
+            else RequestOutputKind.CUMULATIVE)
     except ValueError as e:
         raise _err(400, str(e), getattr(e, "param", None)) from None
 
@@ -356,9 +361,7 @@ def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Requ
     from flatserve.server.app import APIError, dumps
 
     async def events() -> AsyncIterator[str]:
-        sent_text: dict[tuple[int, int], int] = {}
-        sent_tok: dict[tuple[int, int], int] = {}
-        finals: list[RequestOutput | None] = [None] * len(subs)
+        sent_tok: dict[tuple[int, int], int] = {}  # tokens streamed per (prompt, choice)
         live = set(range(len(subs)))
         try:
             if role_first:
@@ -390,20 +393,20 @@ def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Requ
                             for ch in [made] if isinstance(made, dict) else made or []:
                                 yield "data: " + dumps({**base, "choices": [ch]}) + "\n\n"
                         continue
-                    for c in out.outputs:
+                    for c in out.outputs:  # DELTA outputs: text, tokens, logprobs are new
                         key = (k, c.index)
-                        t0, n0 = sent_text.get(key, 0), sent_tok.get(key, 0)
-                        new_text, new_tok = c.text[t0:], len(c.token_ids) - n0
-                        if new_text or c.finish_reason or (new_tok and c.logprobs is not None):
-                            sent_text[key], sent_tok[key] = len(c.text), len(c.token_ids)
-                            made = make(k, c, new_text, n0)  # one choice, several, or none yet
+                        sent_tok[key] = sent_tok.get(key, 0) + len(c.token_ids)
+                        if c.text or c.finish_reason or (c.token_ids and c.logprobs is not None):
+                            made = make(k, c, c.text, 0)  # one choice, several, or none yet
                             for ch in [made] if isinstance(made, dict) else made or []:
                                 yield "data: " + dumps({**base, "choices": [ch]}) + "\n\n"
-                    finals[k] = out
                     if not out.finished:
                         getters[asyncio.ensure_future(_next(subs[k][1]))] = k
             if req.stream_options and req.stream_options.include_usage:
-                yield "data: " + dumps({**base, "choices": [], "usage": _usage(prompt_lens, finals)}) + "\n\n"
+                comp = sum(sent_tok.values())
+                usage = {"prompt_tokens": sum(prompt_lens), "completion_tokens": comp,
+                         "total_tokens": sum(prompt_lens) + comp}
+                yield "data: " + dumps({**base, "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:  # the client went away (or we finished): free whatever is still running
             for rid, _ in subs:
