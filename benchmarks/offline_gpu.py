@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, ".")
 
-from flatserve.bench.gpu import copy_bandwidth, moe_active_bytes, prompts  # noqa: E402
+from flatserve.bench.gpu import copy_bandwidth, decode_step_ms, moe_active_bytes, prompts  # noqa: E402
 
 
 def run_flatserve(a: argparse.Namespace) -> dict:
