@@ -119,7 +119,7 @@ class Page:
                                        permissions=["clipboard-read", "clipboard-write"])
         self.page = self.ctx.new_page()
         self.url, self.sent, self.errors = url, [], []
-        self.page.on("request", self.sent.append)
+        self.page.on("request", lambda r: self.sent.append(r))
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         # Chromium logs each 401 answer (the page probing for the key) as a console error: expected.
         self.page.on("console", lambda m: m.type == "error" and "401" not in m.text
