@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from flatserve.bench.serve import wait_healthy
+from tests.server import live
 
 KEY = "ui-key-42"
 # The page is under test, not the kernels: the torch paths, and no C++ build at start-up
@@ -29,8 +30,7 @@ FAST = ["--device", "cpu", "--attention-backend", "torch", "--fused-ops", "none"
         "--enforce-eager"]
 ARGS = ["--api-key", KEY, "--kv-cache-memory", "128MiB", "--max-model-len", "1024",
         "--max-num-seqs", "8", "--served-model-name", "gemma-test"]
-NO_CPP = ("import sys\nimport flatserve.device as d\nd.CpuExtension.__call__ = lambda self: None\n"
-          "from flatserve.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+NO_CPP = live.NO_CPP + "import sys\nfrom flatserve.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--no-first-run"]
 
