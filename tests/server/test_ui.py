@@ -165,7 +165,7 @@ def test_chat_stream_stop_regenerate_settings(server, browser) -> None:
         page.wait_for_selector("#key-dialog:not([hidden])")
         page.fill("#key-input", KEY)
         page.click("#key-form button")
-        page.wait_for_function("document.querySelector('#model').options.length > 0")
+        page.wait_for_selector("#model option", state="attached")  # no wait_for_function: the CSP forbids eval
         assert page.eval_on_selector("#model", "s => s.value") == "gemma-test"
         assert page.evaluate("sessionStorage.getItem('flatserve.key')") == KEY
         _wait(lambda: "blocks" in page.inner_text("#kv-text"), 30, "KV usage from /metrics")
@@ -262,7 +262,7 @@ def test_injected_markup_in_model_output_renders_as_text(server, browser) -> Non
     try:
         page.evaluate(f"sessionStorage.setItem('flatserve.key', {json.dumps(KEY)})")
         page.reload()
-        page.wait_for_function("document.querySelector('#model').options.length > 0")
+        page.wait_for_selector("#model option", state="attached")  # no wait_for_function: the CSP forbids eval
         chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
         chunks += [{"choices": [{"index": 0, "delta": {"content": c}, "finish_reason": None}]} for c in CRAFTED]
         chunks.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}})
@@ -271,7 +271,7 @@ def test_injected_markup_in_model_output_renders_as_text(server, browser) -> Non
             status=200, headers={"content-type": "text/event-stream"}, body=sse))
         page.fill("#input", "echo")
         page.press("#input", "Enter")
-        page.wait_for_function("document.querySelectorAll('.msg.assistant .code').length === 1")
+        page.wait_for_selector(".msg.assistant .code")
         reply = page.locator(".msg.assistant .body").last
         text = reply.inner_text()
         assert "<script>window.__pwned = 1</script>" in text and 'onerror="window.__pwned = 2"' in text
