@@ -234,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT, seconds in-flight requests may run on before they "
                         "end with finish_reason 'abort' (new ones get 503 meanwhile)")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
     s.set_defaults(func=cmd_serve)
     _add_bench(sub)
     return p

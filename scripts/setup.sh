@@ -2,6 +2,11 @@
 # Create .venv with the local CPU torch build and flatserve (editable) plus test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The chat page's browser test (tests/server/test_ui.py) drives Debian's chromium through
+# Playwright; install it where it is missing and we can (root with apt), else that test skips.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null

@@ -98,7 +98,7 @@ def _default_name(cfg: EngineConfig) -> str:
     return Path(cfg.model).name if cfg.model else "gemma-3-270m-q4_k_m"
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, ui: bool = True) -> FastAPI:
     from flatserve.server import routes
 
     app = FastAPI(title="flatserve", version=flatserve.__version__)
@@ -162,6 +162,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(req: ChatRequest, raw: Request) -> Response:
         return await routes.chat(state, req, raw)
 
+    if ui:  # added last, so outermost: the page loads without the API key (it then asks for it)
+        from flatserve.server.ui import ChatPage
+
+        app.add_middleware(ChatPage)
     return app
 
 
@@ -178,7 +182,7 @@ def _weights_text(s: Any) -> str:
 
 def run_server(cfg: EngineConfig, args: argparse.Namespace) -> int:
     state = ServerState(cfg, args.api_key)
-    app = build_app(state)
+    app = build_app(state, ui=not getattr(args, "no_ui", False))
     state.async_engine.start()
     s = state.engine.state
     print(f"flatserve {flatserve.__version__}: model {state.model_name} ({s.model.architecture}), "

@@ -184,7 +184,10 @@ class AsyncEngine:
 
     def _abort(self, rid: str) -> None:
         stream = self._streams.pop(rid, None)
-        if self.engine.abort(rid) and stream is not None:
+        if not self.engine.abort(rid):
+            return  # already finished
+        self.metrics.aborted.inc()
+        if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, None)  # None: aborted
 
     def _deliver(self, out: RequestOutput) -> None:

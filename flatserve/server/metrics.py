@@ -13,6 +13,8 @@ class Metrics:
         self.waiting = Gauge("flatserve_num_requests_waiting", "Requests queued", registry=r)
         self.kv_used = Gauge("flatserve_kv_blocks_used", "KV blocks held by requests", registry=r)
         self.kv_total = Gauge("flatserve_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.aborted = Counter("flatserve_num_requests_aborted", "Requests aborted before they finished "
+                               "(client gone, stop pressed, shutdown)", registry=r)
         self.preemptions = Counter("flatserve_num_preemptions", "Requests preempted", registry=r)
         self.prompt_tokens = Counter("flatserve_prompt_tokens", "Prompt tokens received", registry=r)
         self.gen_tokens = Counter("flatserve_generation_tokens", "Tokens generated", registry=r)
