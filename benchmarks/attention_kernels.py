@@ -5,7 +5,7 @@
 
 Per case: median time (CUDA events, warm, inputs rotated over 4 copies so L2 does not hold
 them; `--timer` in benchmarks/timing.py's gpu_ms: `events` puts a GPU spin before each call,
-`do_bench`, the harness of sessions 1-7, a 256 MB memset whose dirty lines the timed kernel
+`do_bench`, the harness before 2026-11-19, a 256 MB memset whose dirty lines the timed kernel
 writes back), KV bytes actually needed / time, attention FLOPs / time,
 and the same case through torch SDPA on padded [S, H, L_max, D] copies (a padded-cache peer).
 """

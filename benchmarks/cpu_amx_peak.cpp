@@ -1,6 +1,6 @@
 // This CPU's AMX bf16 rate: tile products with no loads, then the GEMM kernels' 2 x 2 tile loop
 // (two A tiles of x rows, two B tiles of a weight half-group per k step) over a B working set
-// of a given size, on 1 and 2 threads. Context for docs/benchmarks/cpu.md (session 14): how far
+// of a given size, on 1 and 2 threads. Context for docs/benchmarks/cpu.md's git history: how far
 // the engine's GEMMs and attention are from what the tile unit can do, and where the data must
 // sit for it.
 //

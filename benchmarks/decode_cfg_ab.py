@@ -39,7 +39,7 @@ def main() -> None:
         for _ in range(a.rounds):
             for c in cfgs:
                 ua.DECODE_CFG, ua.DECODE_MAXNREG = c[:4], (c[4] if len(c) > 4 else 0)
-                if len(c) > 5:  # only with docs/benchmarks/session7/decode_direct.patch applied
+                if len(c) > 5:  # only with a decode_direct patch applied (git history of docs/benchmarks/)
                     ua.DECODE_DIRECT = c[5] == 1
                 q, kc, vc, meta = sets[0]
                 out = ua.unified_attention(q, kc, vc, meta, p).float()

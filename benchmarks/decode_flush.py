@@ -10,7 +10,7 @@ timed three ways in one process.
   do_bench does), as a check that the two harnesses agree.
 - `events+spin`: a GPU spin (no memory traffic) before each call instead: the host queues the
   call during the spin, so host launch time cannot fall between the events either
-  (benchmarks/timing.py's gpu_ms, the timer of benchmarks/attention_kernels.py since session 8).
+  (benchmarks/timing.py's gpu_ms, the timer of benchmarks/attention_kernels.py since 2026-11-19).
 
     PYTHONPATH=. python3 benchmarks/decode_flush.py [--cases "decode 64 x 2048,..."] [--reps 300]
 """

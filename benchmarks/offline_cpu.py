@@ -121,7 +121,7 @@ def measure_floor(dtype: str) -> dict:
         res[f"matmul_{name}_flops"] = 2 * 2048**3 * 10 / _best_time(lambda: [a @ b for _ in range(10)])
     # Arrays of 256 MiB or twice the last-level cache, whichever is larger: the floor is about
     # memory, and this VM's host has a 480 MiB L3. A 256 MiB copy (512 MiB touched) read
-    # 25.0 GB/s in session 11 and 38.5 GB/s on another day, its read-only stream 55 GB/s:
+    # 25.0 GB/s on one day and 38.5 GB/s on another, its read-only stream 55 GB/s:
     # partly cache hits (benchmarks/cpu_bandwidth.py: 52 GB/s at 128 MB, 28-30 from 256 MB).
     res["stream_bytes"] = max(256 * 2**20, 2 * _llc_bytes())
     x = torch.randn(res["stream_bytes"] // 4)
@@ -144,7 +144,7 @@ def _child(args: argparse.Namespace) -> None:
         res = run_flatserve(prompts, args.max_tokens, args.dtype, **VARIANTS[args.engine])
     # The process's own high-water mark (what `/usr/bin/time -v` reports). The 0.1 s sampler this
     # replaces added the RSS of children, which counted a forked start-up helper's shared pages
-    # (2.9 GiB against 2.07 by time -v, session 15), and once read 0.22 GiB (session 16; most
+    # (2.9 GiB against 2.07 by time -v), and once read 0.22 GiB (most
     # likely a child that exited mid-read, which ended its sampling).
     res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     print("RESULT " + json.dumps(res), flush=True)

@@ -33,7 +33,7 @@ def run_flatserve(a: argparse.Namespace) -> dict:
     # Warm-up on the workload's shapes (every prefill size, a few decode steps) so Triton's
     # value-specialised compiles are not timed, but on *other* prompts (seed 1): warming up on
     # the timed prompts themselves left their prefixes in the prefix cache and skipped most of
-    # the timed prefill (session 3's figures from 2437ccb to this fix were inflated that way).
+    # the timed prefill (figures from 2437ccb to this fix were inflated that way).
     warm = prompts(a.prompts, a.input, vocab, seed=1)
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(max_tokens=3, ignore_eos=True),
                  use_tqdm=False)

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/skinny_gemm.py [--shape qwen3-0.6b] [--out F.json]
 
 Why: at 64 rows a decode step's five GEMMs per layer read ~30 MB of weights (7 us at 4 TB/s) and
-took 0.76 ms per forward against a 0.28 ms floor (docs/benchmarks/gpu.md, session 3 profile).
+took 0.76 ms per forward against a 0.28 ms floor (a kernel profile of benchmarks/step_breakdown.py --profile).
 Each row: median us (triton.testing.do_bench, L2 flushed between runs), achieved weight GB/s.
 """
 from __future__ import annotations

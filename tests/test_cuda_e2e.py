@@ -11,7 +11,7 @@ from flatserve import LLM, SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # bf16 holds 8 significant bits: this model's top logits sit at 4..8, where one bf16 step is 1/32,
 # and two correct bf16 computations (28 layers of rounded residual adds apart) move the top-2 gap
-# by several steps. Measured on an H200 (5 runs x 32 sequences, session 5): the reference's gap at
+# by several steps. Measured on an H200 (5 runs x 32 sequences, 2026-11-21): the reference's gap at
 # the first divergences reached 0.188-0.219 in every run, and one run of 9 failed the former
 # bound of 0.25 (8 steps). Bound: 12 steps. Real errors are caught by the fp32 check above (1e-3).
 NEAR_TIE = 0.375

@@ -5,7 +5,7 @@ datacenter GPU a step of 64 sequences leaves most of the chip idle: on an H100
 (`benchmarks/offline_gpu.py --shape qwen3-0.6b`, 500 x 512/128, 2026-11-24) 64 / 2,048 gave
 12,035 out tok/s and 512 / 32,768 gave 22,436. A CPU is the other way round: its decode step is
 memory-bound at 16-64 rows and a 2,048-token prompt chunk already takes ~0.25 s on 2 cores
-(docs/benchmarks/cpu.md), so larger steps only raise the time to first token. Flags override.
+(docs/performance-cpu.md), so larger steps only raise the time to first token. Flags override.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from flatserve.memory import GiB
 
-CPU_SEQS, CPU_TOKENS = 64, 2048  # measured right on CPUs (docs/benchmarks/cpu.md)
+CPU_SEQS, CPU_TOKENS = 64, 2048  # measured right on CPUs (docs/performance-cpu.md)
 # (device memory at least, sequences, batched tokens): the GPU tiers. 60 GiB covers the
 # H100/H200/A100-80G class; 20 GiB the 24-48 GiB cards (L4, A10, RTX 4090, L40S).
 GPU_TIERS = ((60 * GiB, 512, 32768), (20 * GiB, 256, 16384), (0, 128, 8192))

@@ -147,7 +147,7 @@ def warm_heap(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
     """CPU: once freed memory is kept (device.keep_freed_heap), one greedy prompt step of
     max_num_batched_tokens tokens grows the heap to what prompt steps need, so the first real
     ones do not fault it in page by page (30-50k faults, ~0.25 s of the CPU benchmark's prompt
-    steps at 16 requests: docs/benchmarks/cpu.md, session 10). As few sequences as
+    steps at 16 requests: the git history of docs/benchmarks/cpu.md). As few sequences as
     max_model_len allows (one chunk of a long prompt, a step the scheduler builds), one sampled
     row each: the profile's worst-case sampler rows would hold far more than real steps use."""
     seqs = -(-cfg.max_num_batched_tokens // _longest(cfg, mcfg))

@@ -4,7 +4,7 @@ Why: oneDNN's pre-packed path (flatserve/model/onednn.py) left a third of the co
 unused on the LM head and spent about as long in per-call overhead as in reading the small
 per-layer weights. `csrc/amx_gemm_cpu.cpp` streams a weight packed once into 64-column panels of
 AMX tiles; `benchmarks/cpu_gemv.py` compares the two per shape and row count, and
-docs/benchmarks/cpu.md (session 8) end to end. Same fp32 accumulation and one bf16 rounding as
+the git history of docs/benchmarks/cpu.md end to end. Same fp32 accumulation and one bf16 rounding as
 oneDNN and F.linear.
 
 Linears whose shapes do not tile (out_features % 64, in_features % 32) stay on oneDNN. Like
@@ -136,7 +136,7 @@ def pack_linears(model: nn.Module, copy_tied: bool = False) -> int:
         if plain:
             # The loader adopts checkpoint tensors as file-backed mmap pages; the head read them
             # ~12% slower than anonymous memory (in-engine LM head 14.9-15.0 -> 13.2-13.3 ms at
-            # 16 rows; a scratch A/B before this copy, docs/benchmarks/session11/profiles.txt),
+            # 16 rows; a scratch A/B before this copy),
             # so the shared table moves to memory of its own, lookup included. The file pages
             # go with the mapping; the copy is transient at load.
             weight.data = torch.empty_like(weight.data, memory_format=torch.contiguous_format)\

@@ -7,7 +7,7 @@ layout (`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezin
 640 LM head 28.6 -> 17.1 ms at 1 row, 29.6 -> 18.8 ms at 16; 640 x 2048 0.30 -> 0.12 ms at 1
 row) and about even at 512 rows (0.78-1.0x: prefill chunks are compute-bound either way). Same
 error against a float64 reference as `F.linear` (both accumulate in fp32). In fp32 it was slower
-at 1-3 rows, so only bf16 weights are packed. End to end: docs/benchmarks/cpu.md, session 5.
+at 1-3 rows, so only bf16 weights are packed. End to end: the git history of docs/benchmarks/cpu.md.
 
 Memory: the packed weight replaces the plain one, except where the LM head is tied to the
 embedding: the embedding keeps its plain rows for the lookup, so that one matrix is held twice

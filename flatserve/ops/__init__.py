@@ -4,7 +4,7 @@ Names: "rmsnorm" (RMSNorm with the residual add folded in), "rope" (per-head q/k
 rotary, in place), "act" (SiLU / GELU-tanh and the gate*up product). They follow the attention
 backend: Triton kernels with "triton" (CUDA; `triton_ops`), C++ ones with "cpu" and "cpu-sdpa"
 (`cpu_ops`, where they compile), none with "torch" (the reference path). "auto" = all three where there is
-an implementation. Measured in docs/benchmarks/gpu.md and cpu.md.
+an implementation. Measured in docs/performance-gpu.md and docs/performance-cpu.md.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Why: a decode step of a 28-layer model ran ~50 small kernels per layer (RMSNorm alone is 8:
 cast, pow, mean, add, rsqrt, mul, cast, mul), ~1,500 launches at ~3 us each even inside a CUDA
-graph, against a 1.2 ms memory floor (docs/benchmarks/gpu.md). Each kernel here rounds where
+graph, against a 1.2 ms memory floor (docs/performance-gpu.md). Each kernel here rounds where
 the torch layer rounds (every bf16 op result), so outputs match the torch path bit for bit in
 most rows; reduction order differs (a sum over D in one program vs torch's), so a rare row
 differs by one bf16 ulp.

@@ -8,11 +8,11 @@
 // online softmax in fp32 (the same maths as the torch reference: fp32 scores, scale, optional
 // softcap, sliding window, sinks; output rounded to the cache dtype once). Runs of bf16 whose
 // rows x query heads fit one AMX tile (<= 16 vectors) take their scores on tiles (amx_scores2 in
-// csrc/decode_amx.h; one-row decodes too since session 16, amx_scores_fit): at 4 rows x 4 heads
+// csrc/decode_amx.h; one-row decodes too since commit 5ea2024, amx_scores_fit): at 4 rows x 4 heads
 // the vector FMAs, not the bytes, had set the pace (benchmarks/cpu_decode_ab.py --rows 4: 1.55
 // -> 1.26 ms a full layer, 0.95 -> 0.77 windowed).
 // At Gemma's shape a decode is bound by these instructions, not by the bytes (18 layers' caches
-// from DRAM read in 0.39 ms by a plain stream against 0.66 ms for the kernel), so session 13
+// from DRAM read in 0.39 ms by a plain stream against 0.66 ms for the kernel), so an earlier version
 // trimmed them: one shuffle tree for each 4 keys x 4 heads' 16 sums, the 16 keys of a block's
 // softmax as one vector per head, and V widened 32 values per shift + mask (bit-identical):
 // `cpu_decode_ab.py --layers 18 --sequential`, 0.66 -> 0.59 ms full, 0.35 -> 0.30 windowed,
@@ -233,7 +233,7 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
 }
 
 // Whether a run takes the AMX scores: bf16, at most 16 vectors, whole 16-key tiles and 32-dim
-// slices. One-row decodes take them too since session 16 (session 8 had measured a decode's 4
+// slices. One-row decodes take them too since commit 5ea2024 (an earlier measurement had a decode's 4
 // vectors on one C-tile chain slower than the vector scores). With a block's slices on two
 // chains and the next block asked for between them, `cpu_decode_ab.py --layers 18 --sequential
 // --cold` went 12.12 -> 11.42 ms full, 7.65 -> 7.23 windowed, verify runs (--rows 4) 20.08 ->
@@ -291,7 +291,7 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
   };
   // AMX scores go 32 keys per call: two blocks of 16 (the next two asked for meanwhile, the
   // farther into L2), or a block's halves. Against one block per call with the next block asked
-  // for (session 16), cpu_decode_ab.py --layers 18 --sequential --cold: 10.99 -> 10.33 ms full,
+  // for (commit 56f5d04), cpu_decode_ab.py --layers 18 --sequential --cold: 10.99 -> 10.33 ms full,
   // 6.94 -> 6.67 windowed; --rows 4 17.51 -> 16.42 and 11.17 -> 10.63.
   const bool pairs = amx && bs == 16;
 #ifdef FLATSERVE_AMX

@@ -2,7 +2,7 @@
 //
 // Why: in bf16 every torch op is its own pass over memory with a conversion each way; a Gemma
 // prefill step spent about half its time in them (RMSNorm alone is cast, pow, mean, add, rsqrt,
-// mul, mul, cast; docs/benchmarks/cpu.md, session 5). Each function here reads its rows once,
+// mul, mul, cast; the git history of docs/benchmarks/cpu.md). Each function here reads its rows once,
 // works in fp32, and rounds to the model dtype exactly where the torch layer rounds, so it
 // matches the torch reference up to summation order (tests/test_fused_ops_cpu.py).
 #include <torch/extension.h>
