@@ -161,12 +161,12 @@ class TPRunner:
         self.inner, self.executor = inner, executor
         self.collect = inner.collect
 
-    def launch(self, out: Any, sampler: Any, prev: Any = None) -> Any:
+    def launch(self, out: Any, sampler: Any, prev: Any = None, before_masks: Any = None) -> Any:
         if self.executor.workers.failed is not None:
             raise RuntimeError(self.executor.workers.failed)
         try:
             self.executor.group.broadcast_obj(encode_step(out))
-            return self.inner.launch(out, sampler, prev)
+            return self.inner.launch(out, sampler, prev, before_masks)
         except RuntimeError as e:  # a collective failed: some rank is gone
             self.executor.fatal(f"tensor-parallel step failed ({e}); stopping every rank")
             raise RuntimeError(self.executor.workers.failed) from e

@@ -123,7 +123,13 @@ def drafts(tmp_path_factory):
     from tests.conftest import build_checkpoint
 
     root = tmp_path_factory.mktemp("draft")
-    return {f: build_checkpoint(f, root / "other", seed=1)[0] for f in ("qwen3", "llama", "gemma3")}
+
+    class Drafts(dict):  # a different random model of each family, built when first asked for
+        def __missing__(self, family: str):
+            self[family] = build_checkpoint(family, root / "other", seed=1)[0]
+            return self[family]
+
+    return Drafts()
 
 
 @pytest.mark.parametrize("mode", ["ngram", "draft-self", "draft-other", "ngram-preempt"])
