@@ -23,7 +23,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
                        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
     # Published configs (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b); bf16 experts (61 GB and 42 GB
-    # on disk: more than a 64 GiB device disk holds for the first, see docs/benchmarks/gpu.md).
+    # on disk: more than a 64 GiB device disk holds for the first, see docs/performance-gpu.md).
     "qwen3-30b-a3b": dict(arch="Qwen3MoeForCausalLM", model_type="qwen3_moe", vocab_size=151936,
                           hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,

@@ -86,7 +86,7 @@ def test_default_gguf_q4_k_m_fidelity_on_real_text(default_model_path: Path) -> 
     assert "dense" not in formats
     root = Path(__file__).parents[2]
     text = "\n\n".join((root / p).read_text() for p in ("README.md", "docs/structures.md",
-                                                         "docs/benchmarks/cpu.md"))
+                                                         "docs/memory.md", "docs/performance-cpu.md"))
     ids = llm.get_tokenizer().encode(text)[:TOKENS]
     assert len(ids) == TOKENS
     agree, kl = _fidelity(llm, ids)
