@@ -214,8 +214,8 @@ def keep_freed_heap(device: torch.device) -> bool:
     at the top of the heap, so free() returns them and the next step faults every 4 KB page in
     again. A verify step at 16 requests x 4 tokens has 55 x 262k bf16 logits (29 MB): ~7,000
     faults a step, which took the LM head to 54 ms against 20 without them
-    (`benchmarks/cpu_profile_step.py 16 --by-kernel --ngram 3`, docs/benchmarks/cpu.md,
-    the git history of docs/benchmarks/cpu.md). The heap then holds about the
+    (`benchmarks/cpu_profile_step.py 16 --by-kernel --ngram 3`; the git history of
+    docs/benchmarks/cpu.md). The heap then holds about the
     largest step's transients, which the memory budget counts as peak activations; small
     allocations can split freed blocks, so it may settle somewhat above one step's worth. The
     CPU benchmark's peak RSS stayed within its run-to-run spread (2.17-2.23 GiB).
