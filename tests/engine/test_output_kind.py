@@ -47,5 +47,12 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(llm, stop) -> None:
             lps = [d for o in b for d in o.outputs[k].logprobs]
             assert text == last.outputs[k].text == f[0].outputs[k].text
             assert ids == last.outputs[k].token_ids == f[0].outputs[k].token_ids
-            assert lps == last.outputs[k].logprobs
+            # Two runs of the engine batch differently, so fp32 logprobs may differ in the last
+            # bits (seen: 5e-7); which tokens and ranks they hold must not.
+            ref = last.outputs[k].logprobs
+            assert len(lps) == len(ref)
+            for d, r in zip(lps, ref):
+                assert d.keys() == r.keys()
+                assert all(abs(d[t].logprob - r[t].logprob) < 1e-4 and d[t].rank == r[t].rank
+                           for t in d)
             assert b[-1].outputs[k].finish_reason == last.outputs[k].finish_reason
