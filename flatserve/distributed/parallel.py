@@ -54,12 +54,20 @@ class ColumnPackedLinear(PackedLinear):
     """q|k|v or gate|up with the output dim sharded: each fused part holds this rank's rows of
     the checkpoint tensor, starting at `src[name]`."""
 
-    def __init__(self, in_features: int, parts: dict[str, tuple[int, int]], bias: bool) -> None:
+    def __init__(self, in_features: int, parts: dict[str, tuple[int, int]], bias: bool,
+                 full: dict[str, tuple[int, int]]) -> None:
         super().__init__(in_features, {n: size for n, (size, _) in parts.items()}, bias)
         self.src = {n: start for n, (_, start) in parts.items()}
+        self.full = full  # the unsharded layer's (offset, size) per part
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
         super().load_shard(param, tensor.narrow(0, self.src[shard], self.offsets[shard][1]), shard)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor) -> None:
+        """A checkpoint that stores the parts already packed (Phi-3's qkv_proj, gate_up_proj):
+        each part cut out of the whole tensor, then this rank's rows of it."""
+        for name, (off, size) in self.full.items():
+            self.load_shard(param, tensor.narrow(0, off, size), name)
 
 
 class RowParallelLinear(nn.Linear):
@@ -131,7 +139,7 @@ def _shard_attention(a: Attention, g: TPGroup) -> None:
     bias = a.qkv_proj.bias is not None
     a.qkv_proj = ColumnPackedLinear(a.qkv_proj.in_features, {
         "q_proj": (hq * a.d, g.rank * hq * a.d), "k_proj": (hkv * a.d, kv0 * a.d),
-        "v_proj": (hkv * a.d, kv0 * a.d)}, bias)
+        "v_proj": (hkv * a.d, kv0 * a.d)}, bias, a.qkv_proj.offsets)
     a.o_proj = RowParallelLinear(hq * a.d, a.o_proj.out_features, a.o_proj.bias is not None, g)
     a.hq, a.hkv = hq, hkv
 
@@ -139,7 +147,8 @@ def _shard_attention(a: Attention, g: TPGroup) -> None:
 def _shard_mlp(m: GatedMLP, g: TPGroup) -> None:
     inter = _split(m.down_proj.in_features, g.size, "intermediate_size")
     m.gate_up_proj = ColumnPackedLinear(m.gate_up_proj.in_features, {
-        "gate_proj": (inter, g.rank * inter), "up_proj": (inter, g.rank * inter)}, False)
+        "gate_proj": (inter, g.rank * inter), "up_proj": (inter, g.rank * inter)}, False,
+        m.gate_up_proj.offsets)
     m.down_proj = RowParallelLinear(inter, m.down_proj.out_features, m.down_proj.bias is not None, g)
 
 

@@ -7,12 +7,13 @@ import random
 import pytest
 import torch
 
-from flatserve.model import amx, onednn
+from flatserve.model import amx, avx2, onednn
 
-AVAILABLE = {"onednn": onednn.available(torch.bfloat16), "amx": amx.available(torch.bfloat16)}
+AVAILABLE = {"onednn": onednn.available(torch.bfloat16), "amx": amx.available(torch.bfloat16),
+             "avx2": avx2.available(torch.bfloat16)}
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "amx"])
+@pytest.mark.parametrize("gemm", ["onednn", "amx", "avx2"])
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # untied / tied embedding
 def test_packed_model_is_as_close_to_fp32_as_plain_bf16(gemm, family, tmp_path) -> None:
     if not AVAILABLE[gemm]:
@@ -50,12 +51,12 @@ def test_auto_picks_the_first_path_that_runs(tmp_path) -> None:
     from tests.conftest import build_checkpoint
 
     path, _ = build_checkpoint("llama", tmp_path)
-    want = next((g for g in ("amx", "onednn") if AVAILABLE[g]), "torch")
+    want = next((g for g in ("amx", "onednn", "avx2") if AVAILABLE[g]), "torch")
     assert LLM(device="cpu", model=str(path), dtype="bfloat16", max_model_len=64).engine.state.cpu_gemm == want
     assert LLM(device="cpu", model=str(path), dtype="float32", max_model_len=64).engine.state.cpu_gemm == "torch"
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "amx"])
+@pytest.mark.parametrize("gemm", ["onednn", "amx", "avx2"])
 def test_packed_path_refused_where_it_cannot_apply(gemm) -> None:
     from flatserve import LLM
 

@@ -45,7 +45,7 @@ def ragged_logits(llm, hf, prompts: list[list[int]]) -> tuple[torch.Tensor, torc
 
 def test_logits_match_transformers_on_ragged_batch(moe_checkpoint) -> None:
     family, path, hf = moe_checkpoint
-    llm = _llm(path, max_num_batched_tokens=4096, device="cpu", attention_backend="torch")
+    llm = _llm(path, max_num_batched_tokens=4096, attention_backend="torch")
     blocks = _moe_blocks(llm)
     assert len(blocks) == (3 if family == "qwen3_moe" else 4)  # Qwen3: layer 1 is dense
     prompts = _prompts(seed=random.randrange(1 << 30))
@@ -65,7 +65,7 @@ def test_greedy_generation_matches_transformers(moe_checkpoint, mode: str) -> No
         kw = {"max_num_batched_tokens": 64}  # every prompt > 64 tokens is split over steps
     if mode == "preempt":
         kw = {"max_num_batched_tokens": 4096, "num_gpu_blocks_override": 30, "max_model_len": 400}
-    llm = _llm(path, enable_prefix_caching=False, device="cpu", attention_backend="torch", **kw)
+    llm = _llm(path, enable_prefix_caching=False, attention_backend="torch", **kw)
     prompts = _prompts(seed=random.randrange(1 << 30), max_len=100 if mode == "preempt" else 300)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
