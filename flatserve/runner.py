@@ -74,7 +74,7 @@ def build_flat_batch(out: SchedulerOutput, block_size: int, device: torch.device
         cu_seqlens_q=put(cu.astype(np.int32)), seq_lens=put(seq_lens.astype(np.int32)),
         block_table=put(table), slot_mapping=put(slots), max_q_len=int(q_lens.max()),
         max_seq_len=int(seq_lens.max()), cu_seqlens_q_host=cu.tolist(),
-        seq_lens_host=seq_lens.tolist())
+        seq_lens_host=seq_lens.tolist(), prompt_lens_host=[s.request.num_prompt_tokens for s in sched])
     return FlatBatch(put(ids), put(positions), meta, put(rows.astype(np.int64)),
                      [(sched[i].request, sched[i].spec_token_ids) for i in sample_rows],
                      [int(cu[i + 1]) - 1 for i in pend], [sched[i].request.request_id for i in pend])

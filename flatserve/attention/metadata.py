@@ -28,6 +28,9 @@ class AttentionMetadata:
     cu_seqlens_q_host: list[int]
     seq_lens_host: list[int]
     segments: int | None = None  # split-KV factor; None lets the backend choose (graphs pin 1)
+    # Each sequence's prompt length (LongRoPE picks its factors by it); None in decode graphs,
+    # whose tokens all sit past their prompts.
+    prompt_lens_host: list[int] | None = None
     # What a backend derives from the above on the step's first layer and every later layer
     # reuses (e.g. the CPU backend's decode/prefill row split); dies with the step.
     derived: dict[str, Any] = field(default_factory=dict)

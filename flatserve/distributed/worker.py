@@ -22,21 +22,21 @@ log = logging.getLogger("flatserve")
 
 # One scheduled request on the wire: (request id, start_pos, num_tokens, new token ids,
 # block ids, samples). The ids are host-known (no async scheduling, no drafts under TP).
-Wire = tuple[str, int, int, list[int], list[int], bool]
+Wire = tuple[str, int, int, list[int], list[int], bool, int]
 
 
 def encode_step(out: SchedulerOutput) -> list[Wire]:
     return [(s.request.request_id, s.start_pos, s.num_tokens, s.new_token_ids, s.block_ids,
-             s.samples) for s in out.scheduled]
+             s.samples, s.request.num_prompt_tokens) for s in out.scheduled]
 
 
 class _WireRequest:
     """What build_flat_batch reads of a request."""
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "num_prompt_tokens")
     num_pending = 0
 
-    def __init__(self, rid: str) -> None:
-        self.request_id = rid
+    def __init__(self, rid: str, num_prompt_tokens: int) -> None:
+        self.request_id, self.num_prompt_tokens = rid, num_prompt_tokens
 
 
 class _WiredScheduled(ScheduledRequest):
@@ -54,8 +54,8 @@ class _WiredScheduled(ScheduledRequest):
 
 def decode_step(wire: list[Wire]) -> SchedulerOutput:
     out = SchedulerOutput()
-    for rid, start, n, ids, blocks, samples in wire:
-        s = _WiredScheduled(_WireRequest(rid), start, n, blocks)  # type: ignore[arg-type]
+    for rid, start, n, ids, blocks, samples, prompt_len in wire:
+        s = _WiredScheduled(_WireRequest(rid, prompt_len), start, n, blocks)  # type: ignore[arg-type]
         s.wired_ids, s.wired_samples = ids, samples
         out.scheduled.append(s)
     return out

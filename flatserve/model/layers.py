@@ -162,16 +162,24 @@ class Rotary(nn.Module):
 
     def index(self, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         """Table rows for `positions` [T]: the positions themselves, or for LongRoPE + P where
-        the token's sequence is longer than original_max_position this step (transformers'
-        rule: its forward picks the factors by the longest position it is given). Device ops
-        only: the same code runs inside CUDA graphs."""
+        the token takes the long factors. transformers' generate picks them per forward by the
+        longest position it is given: a prompt of L tokens takes them iff L > original_max, the
+        decode step at position p iff p + 1 > original_max. Per token that is
+        max(p + 1, L) > original_max, a rule that holds whatever the chunking, speculation or
+        preemption (a per-step rule would not). Device ops only on the decode-graph path."""
         if not self.longrope:
             return positions
+        orig = self.rope.original_max_position
         P = self.table(meta.max_seq_len + 1).shape[1] // 2
-        T = positions.shape[0]
-        tok = torch.arange(T, device=positions.device, dtype=meta.cu_seqlens_q.dtype)
-        seq = torch.searchsorted(meta.cu_seqlens_q[1:], tok, right=True)  # [T] sequence of each token
-        long = meta.seq_lens[seq.clamp(max=meta.seq_lens.shape[0] - 1)] > self.rope.original_max_position
+        long = positions + 1 > orig  # [T]
+        lens = meta.prompt_lens_host
+        if lens is not None and max(lens, default=0) > orig:  # some prompt is itself long
+            flags = meta.derived.get("longrope")
+            if flags is None:  # once per step, reused by every layer
+                cu = meta.cu_seqlens_q_host
+                per_tok = [L > orig for L, a, b in zip(lens, cu, cu[1:]) for _ in range(b - a)]
+                flags = meta.derived["longrope"] = torch.tensor(per_tok, device=positions.device)
+            long = long | flags
         return positions + long.to(positions.dtype) * P
 
     def forward(self, index: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
