@@ -79,8 +79,8 @@ def _ram_gib() -> float:
 LOAD_SCRIPT = r"""
 import sys, json
 from flatserve import LLM, SamplingParams
-llm = LLM(device="cpu", dtype="float32", os_reserve_gb=float(sys.argv[1]), max_model_len=1024,
-          max_num_batched_tokens=256, max_num_seqs=32)
+llm = LLM(device="cpu", dtype="float32", dequantize=True, os_reserve_gb=float(sys.argv[1]),
+          max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=32)
 b = llm.engine.state.budget
 print(json.dumps({"blocks": b.num_blocks, "total": b.total, "reserve": b.reserve,
                   "runtime": b.runtime, "weights": b.weights, "peak": b.peak,
@@ -99,7 +99,7 @@ print(json.dumps({"preemptions": llm.engine.scheduler.num_preemptions,
 def test_small_budget_start_full_load_preempts_and_stays_in_budget(default_model_path) -> None:
     import json
 
-    # Leave ~2.30 GiB for the whole inference: runtime + resident weights (~1.25 GiB fp32 incl.
+    # Leave ~2.30 GiB for the whole inference: runtime + resident weights (dequantized: ~1.25 GiB fp32 incl.
     # the mmap pages behind the fused q|k|v and gate|up copies) + peak + a small KV (~300
     # blocks; 2.35 GiB left ~400 once the rope tables stopped growing inside the profile step).
     reserve = _ram_gib() - 2.30
@@ -120,8 +120,10 @@ def test_small_budget_start_full_load_preempts_and_stays_in_budget(default_model
 
 def test_refusal_exits_nonzero_with_the_numbers_fast(default_model_path) -> None:
     t0 = time.time()
+    # 0.5 GiB left: the interpreter and torch (>= 0.3 GiB) and the GGUF's weights (>= 4 bits a
+    # parameter) leave less than one 8,192-token sequence's KV (288 MiB) before anything loads.
     r = subprocess.run([sys.executable, "-m", "flatserve.cli", "generate", "--device", "cpu", "--prompt", "hi",
-                        "--dtype", "float32", "--os-reserve-gb", f"{_ram_gib() - 1.0}",
+                        "--dtype", "float32", "--os-reserve-gb", f"{_ram_gib() - 0.5}",
                         "--max-model-len", "8192"], capture_output=True, text=True, timeout=120)
     assert time.time() - t0 < 30, "refusal must come quickly"
     assert r.returncode != 0 and "Traceback" not in r.stderr
