@@ -16,13 +16,15 @@ from tests.server.test_server import (  # noqa: F401 - collected here against th
 
 
 @pytest.fixture(scope="module")
-def server(default_model_path):
+def server(default_model_path, tmp_path_factory):
+    # The log goes to a file: a pipe nobody reads fills at 64 KiB and stalls the server.
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port), "--api-key", KEY,
          "--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "32",
          "--served-model-name", "gemma-test", "--data-parallel-size", "2", "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
     yield {"url": url, "proc": proc}

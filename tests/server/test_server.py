@@ -25,13 +25,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(default_model_path):
+def server(default_model_path, tmp_path_factory):
+    # The log goes to a file: a pipe nobody reads fills at 64 KiB and stalls the server.
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "flatserve.cli", "serve", "--device", "cpu", "--port", str(port), "--api-key", KEY,
          "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "32",
          "--served-model-name", "gemma-test"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
     yield {"url": url, "proc": proc}
@@ -175,8 +177,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
-     "unsupported parameter 'tools'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [],
+                              "tool_choice": "required"}, 400, "needs a non-empty 'tools' list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs requires logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

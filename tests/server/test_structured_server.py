@@ -97,7 +97,9 @@ MSGS = [{"role": "user", "content": "Answer as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server(default_model_path):
+def server(default_model_path, tmp_path_factory):
+    # The log goes to a file: a pipe nobody reads fills at 64 KiB and stalls the server.
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
     port = _free_port()
     # Torch kernels only: the test is about grammars, not the C++ attention/fused paths.
     proc = subprocess.Popen(
@@ -106,7 +108,7 @@ def server(default_model_path):
          "--max-model-len", "1024",
          "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--served-model-name",
          "gemma-test", "--seed", "3"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout=900)  # a loaded 2-core box: start-up can take minutes
