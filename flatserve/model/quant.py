@@ -9,7 +9,7 @@ bytes per token of its Q4_K_M file and holds 2-3x the memory (issue #30's figure
 A `QuantLinear` holds its rows as segments of one format each (q|k|v or gate|up fuse at load,
 and a Q4_K_M file may store v in Q8_0 beside q and k in Q5_0). On the CPU the C++ kernel
 (ops/csrc/quant_gemm_cpu.cpp) reads the blocks in place, with activations quantized to 8 bits per
-32 values as llama.cpp does; elsewhere, or without a compiler, `reference` dequantizes slices in
+32 values in two passes (_two_pass_act); elsewhere, or without a compiler, `reference` dequantizes slices in
 torch and runs the dense matmul. A tied LM head and the embedding share one table: the embedding
 dequantizes the rows it looks up.
 """
