@@ -112,6 +112,14 @@ def build_checkpoint(family: str, root: Path, seed: int = 0) -> tuple[Path, Any]
     return path, model
 
 
+# Engine mechanics (async scheduling, speculation) on one family per kind of layer: plain GQA,
+# Llama 3 rope scaling, sliding windows with (1 + w) norms, soft-caps, packed partial LongRoPE.
+# The whole family matrix runs where the layers differ (parity, C++ stack, tensor parallel):
+# run over all 11 families these two files took ~25 of CI's ~85 worker-minutes.
+ENGINE_FAMILIES = ("qwen3", "llama", "gemma3", "gemma2", "phi3-longrope")
+engine_families = pytest.mark.parametrize("tiny_checkpoint", ENGINE_FAMILIES, indirect=True)
+
+
 @pytest.fixture(scope="session", params=["qwen3", "llama", "gemma3", *DENSE_FAMILIES])
 def tiny_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                     ) -> tuple[str, Path, Any]:

@@ -48,6 +48,25 @@ def read_fields(reader: Any) -> dict[str, Any]:
     return out
 
 
+def apply_rope_freqs(path: Path, cfg: Any) -> None:
+    """Llama 3.x rope scaling: llama.cpp's converter writes it as a `rope_freqs` tensor (one
+    divisor per frequency) and no metadata, so transformers' GGUF reader loses it. Fixed
+    per-frequency divisors are LongRoPE with one factor set and no switch (original_max at the
+    context length, attention factor 1); without them every position's low frequencies were
+    wrong (Llama 3.1: divided by 8 in the checkpoint, not here)."""
+    import gguf
+
+    t = next((t for t in gguf.GGUFReader(str(path)).tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return
+    f = [float(x) for x in t.data]
+    rope = dict(cfg.rope_parameters or {})
+    rope.update(rope_type="longrope", short_factor=f, long_factor=f, attention_factor=1.0,
+                original_max_position_embeddings=cfg.max_position_embeddings)
+    rope.pop("factor", None)
+    cfg.rope_parameters = rope
+
+
 def hf_config(path: Path) -> Any | None:
     """The HF config for a dense-family GGUF, or None where transformers' own reader is used."""
     import gguf

@@ -64,6 +64,7 @@ def gguf_sidecar(path: Path) -> Path:
         if cfg is None:
             cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             cfg.architectures = [_GGUF_ARCH.get(cfg.model_type, cfg.model_type)]
+            gguf_config.apply_rope_freqs(path, cfg)
         # AutoTokenizer reads the config through the transformers path moe_hf_config avoids.
         tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name) \
             if moe is not None else _gguf_tokenizer(path)

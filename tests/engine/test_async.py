@@ -11,6 +11,7 @@ import random
 import pytest
 
 from flatserve import LLM, SamplingParams
+from tests.conftest import engine_families
 from flatserve.engine.request import Request
 from flatserve.engine.scheduler import Scheduler, SchedulerConfig
 from flatserve.engine.kv_manager import KVCacheManager
@@ -40,6 +41,7 @@ def _run(path, reqs, **kw) -> tuple[list, LLM]:
     return outs, llm
 
 
+@engine_families
 @pytest.mark.parametrize("mode", ["plain", "chunked+preempt", "penalties"])
 def test_async_outputs_equal_sync(tiny_checkpoint, mode) -> None:
     family, path, _ = tiny_checkpoint
@@ -71,6 +73,7 @@ def test_async_outputs_equal_sync(tiny_checkpoint, mode) -> None:
         assert eng.scheduler.num_preemptions > 0
 
 
+@engine_families
 def test_async_abort_mid_flight(tiny_checkpoint) -> None:
     """Aborts while a token is in flight free every block; the other requests are untouched."""
     _, path, _ = tiny_checkpoint
@@ -124,6 +127,7 @@ def test_scheduler_schedules_a_pending_token_once() -> None:
     assert kv.num_used_blocks == 0 and req.num_pending == 0
 
 
+@engine_families
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_request_metrics_are_stamped_in_order(tiny_checkpoint, async_scheduling) -> None:
     """RequestOutput.metrics (vLLM's shape): arrival <= first token <= finish; one-token requests

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flatserve import LLM, SamplingParams
+from tests.conftest import engine_families
 from flatserve.engine.request import Request
 from flatserve.engine.sampler import Sampler, accept_walk, expand
 from flatserve.spec.ngram import ngram_lookup
@@ -133,6 +134,7 @@ def drafts(tmp_path_factory):
     return Drafts()
 
 
+@engine_families
 @pytest.mark.parametrize("mode", ["ngram", "draft-self", "draft-other", "ngram-preempt"])
 def test_greedy_identical_with_speculation(tiny_checkpoint, drafts, mode) -> None:
     family, path, _ = tiny_checkpoint
@@ -167,6 +169,7 @@ def test_greedy_identical_with_speculation(tiny_checkpoint, drafts, mode) -> Non
         assert eng.scheduler.num_preemptions > 0
 
 
+@engine_families
 def test_stop_string_inside_accepted_drafts(tiny_checkpoint) -> None:
     """A stop string that ends on an accepted draft cuts the tokens accepted after it."""
     _, path, _ = tiny_checkpoint

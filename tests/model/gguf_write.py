@@ -20,6 +20,16 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _llama3_factors(cfg: Any) -> np.ndarray:
+    """llama.cpp's rope_freqs for Llama 3 scaling: each frequency's divisor (base / scaled)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    base = 1.0 / (cfg.rope_parameters["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim))
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    return (base / scaled.double().numpy()).astype(np.float32)
+
+
 def write_gguf(model: Any, tokenizer: Any, path: Path) -> Path:
     import gguf
 
@@ -35,6 +45,8 @@ def write_gguf(model: Any, tokenizer: Any, path: Path) -> Path:
     if rope.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors: 1 / (scaled / base)
+        w.add_tensor("rope_freqs.weight", _llama3_factors(cfg))
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     for hf_name, t in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -75,8 +75,9 @@ SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"flags": {"type": "array", "items": {"type": "boolean"},
                                                 "maxItems": 3}},
      "required": ["flags"], "additionalProperties": False},
-    {"type": "object", "properties": {"word": {"type": "string", "minLength": 1, "maxLength": 5,
-                                               "pattern": "^[a-z]+$"}},
+    # xgrammar drops minLength/maxLength on a string that has a pattern (a 17-letter word came
+    # back for maxLength 5, 2026-11-25): the bounds go in the pattern (README, structured outputs).
+    {"type": "object", "properties": {"word": {"type": "string", "pattern": "^[a-z]{1,5}$"}},
      "required": ["word"], "additionalProperties": False},
     {"type": "object", "properties": {"n": {"type": "integer", "exclusiveMinimum": 0,
                                             "maximum": 50}, "s": S},
