@@ -42,6 +42,11 @@ _GGUF_ARCH = {"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
+# Bumped when what the sidecar holds changes (2: Llama 3 GGUFs' rope_freqs in config.json), so
+# sidecars written by older code are rebuilt, not trusted.
+SIDECAR_VERSION = 2
+
+
 def gguf_sidecar(path: Path) -> Path:
     """config.json + tokenizer files extracted once from a GGUF's metadata.
 
@@ -49,7 +54,8 @@ def gguf_sidecar(path: Path) -> Path:
     keyed by the file's path, size and mtime, brings later starts down to ~3 s.
     """
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{SIDECAR_VERSION}"
+                         .encode()).hexdigest()[:16]
     out = _cache_root() / "gguf-meta" / f"{path.stem}-{key}"
     if (out / "config.json").exists():
         return out
