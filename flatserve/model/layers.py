@@ -177,8 +177,9 @@ class Rotary(nn.Module):
             flags = meta.derived.get("longrope")
             if flags is None:  # once per step, reused by every layer
                 cu = meta.cu_seqlens_q_host
-                per_tok = [L > orig for L, a, b in zip(lens, cu, cu[1:]) for _ in range(b - a)]
-                flags = meta.derived["longrope"] = torch.tensor(per_tok, device=positions.device)
+                per_seq = torch.tensor([L > orig for L in lens])  # [S], then one row per token
+                per_tok = per_seq.repeat_interleave(torch.tensor([b - a for a, b in zip(cu, cu[1:])]))
+                flags = meta.derived["longrope"] = per_tok.to(positions.device)
             long = long | flags
         return positions + long.to(positions.dtype) * P
 
