@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import os
@@ -19,25 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import flatserve
 from flatserve.config import EngineConfig
-from flatserve.engine.chat import chat_template
-from flatserve.engine.engine import Engine
-from flatserve.server.async_engine import AsyncEngine
+from flatserve.server import routes
 from flatserve.server.guard import MAX_BODY_BYTES, GuardedH11, GuardMiddleware  # noqa: F401
-from flatserve.server.metrics import Metrics
-from flatserve.server.protocol import ChatRequest, CompletionRequest
+from flatserve.server.protocol import APIError, ChatRequest, CompletionRequest
+from flatserve.server.state import ServerState
 
 log = logging.getLogger("flatserve")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -59,48 +45,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid value for '{param}': {err.get('msg')}", param
 
 
-class ServerState:
-    def __init__(self, cfg: EngineConfig, api_key: str | None) -> None:
-        self.metrics = Metrics()
-        if cfg.data_parallel_size > 1:
-            from flatserve.server.data_parallel import DataParallelEngine
-
-            self.async_engine = DataParallelEngine(cfg, self.metrics)  # type: ignore[assignment]
-        else:
-            self.async_engine = AsyncEngine(lambda: Engine(cfg), self.metrics)  # built on its thread
-        self.engine = engine = self.async_engine.engine
-        self.model_name = cfg.served_model_name or _default_name(cfg)
-        self.api_key = api_key
-        self.created = int(time.time())
-        self.draining = False  # SIGTERM/SIGINT received: new generation requests get 503
-        self.template, self.eot = chat_template(engine.tokenizer, engine.state.model.architecture,
-                                                cfg.chat_template)
-        b = engine.state.budget
-        self.metrics.set_budget({"total": b.total, "reserve": b.reserve, "runtime": b.runtime,
-                                 "weights": b.weights, "peak_activations": b.peak,
-                                 "kv_budget": b.kv_budget, "kv_token_capacity": b.token_capacity})
-        self.metrics.set_weights(engine.state.weight_formats)
-        self.metrics.update(engine.stats())
-
-
-    def refusal(self) -> str | None:
-        """Why a new generation request gets 503 now, or None to take it."""
-        if self.async_engine.error is not None:
-            return "the engine has stopped after an internal error; the server is restarting"
-        if self.draining:
-            return "the server is shutting down and takes no new requests"
-        return None
-
-
-def _default_name(cfg: EngineConfig) -> str:
-    from pathlib import Path
-
-    return Path(cfg.model).name if cfg.model else "gemma-3-270m-q4_k_m"
-
-
 def build_app(state: ServerState, ui: bool = True) -> FastAPI:
-    from flatserve.server import routes
-
     app = FastAPI(title="flatserve", version=flatserve.__version__)
     app.state.s = state
 
@@ -258,7 +203,3 @@ def _parallel_note(cfg: EngineConfig) -> str:
              f"data parallel {cfg.data_parallel_size}" if cfg.data_parallel_size > 1 else "",
              f"{cfg.nnodes} nodes" if cfg.nnodes > 1 else ""]
     return "".join(", " + p for p in parts if p)
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)

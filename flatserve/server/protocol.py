@@ -1,6 +1,8 @@
-"""OpenAI request schemas. Unknown fields are rejected by name, never silently ignored."""
+"""OpenAI request schemas, the error shape and the compact JSON of stream events. Unknown fields
+are rejected by name, never silently ignored."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -157,3 +159,20 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape (`body()`), with its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)

@@ -15,7 +15,8 @@ from flatserve.engine.outputs import CompletionOutput, RequestOutput
 from flatserve.engine.outputs import RequestOutputKind
 from flatserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from flatserve.server.async_engine import Unavailable
-from flatserve.server.protocol import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling
+from flatserve.server.protocol import (APIError, ChatRequest, CompletionRequest, NamedToolChoice,
+                                       _Sampling, dumps)
 from flatserve.server.tools import (ToolStreamer, forced_spec, parse_auto, parse_forced,
                                     template_formats, template_messages)
 from flatserve.server.validate import check_strings, failed_request, off_loop
@@ -23,13 +24,11 @@ from flatserve.server.validate import check_strings, failed_request, off_loop
 MAX_PROMPTS = 256  # a batch of prompts is that many engine requests (times n)
 
 if TYPE_CHECKING:
-    from flatserve.server.app import ServerState
+    from flatserve.server.state import ServerState
 
 
 def _err(status: int, msg: str, param: str | None = None, code: str | None = None,
          type_: str = "invalid_request_error") -> Exception:
-    from flatserve.server.app import APIError
-
     return APIError(status, msg, param, code, type_)
 
 
@@ -358,8 +357,6 @@ async def chat(state: ServerState, req: ChatRequest, raw: Request) -> Response:
 def _stream(state: ServerState, subs: list[tuple[str, asyncio.Queue]], raw: Request, base: dict,
             prompt_lens: list[int], req: _Sampling, make: Callable[..., dict], echo: list[str],
             role_first: bool = False) -> StreamingResponse:
-    from flatserve.server.app import APIError, dumps
-
     async def events() -> AsyncIterator[str]:
         sent_tok: dict[tuple[int, int], int] = {}  # tokens streamed per (prompt, choice)
         live = set(range(len(subs)))

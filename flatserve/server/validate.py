@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from flatserve.server.protocol import APIError
+
 T = TypeVar("T")
 # Tokenizing an 8 MiB prompt takes seconds on the dev box: on the event loop it stalled every
 # other connection, /health included (7.4 s). Two threads: the box has 2 cores, and the engine
@@ -47,8 +49,6 @@ def check_strings(req: BaseModel) -> None:
     """A lone surrogate (JSON's "\\ud800") in any text field is a 400 naming the field: no
     tokenizer, template or UTF-8 encoder takes one (it was a 500, and the 404 for an unknown
     `model` could not even encode its own message)."""
-    from flatserve.server.app import APIError
-
     path = _surrogate_path(req.model_dump(), "")
     if path is not None:
         raise APIError(400, f"'{path}' contains a lone surrogate (U+D800-U+DFFF): text must be "
@@ -57,7 +57,5 @@ def check_strings(req: BaseModel) -> None:
 
 def failed_request(why: str) -> Exception:
     """The engine failed this request alone (its sampling raised); the others went on."""
-    from flatserve.server.app import APIError
-
     return APIError(500, f"this request failed in the engine ({why}); other requests are not "
                          f"affected", None, "request_failed", "server_error")
