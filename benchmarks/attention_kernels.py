@@ -4,43 +4,28 @@
         [--timer events|do_bench]
 
 Per case: median time (CUDA events, warm, inputs rotated over 4 copies so L2 does not hold
-them; `--timer` in benchmarks/timing.py's gpu_ms: `events` puts a GPU spin before each call,
+them; `--timer` in benchmarks/common.py's gpu_ms: `events` puts a GPU spin before each call,
 `do_bench`, the harness before 2026-11-19, a 256 MB memset whose dirty lines the timed kernel
 writes back), KV bytes actually needed / time, attention FLOPs / time,
 and the same case through torch SDPA on padded [S, H, L_max, D] copies (a padded-cache peer).
+
+Runtime (estimate, not timed): a few minutes on one H100/H200 for all 14 cases with the SDPA
+and Flex peers; `--cases` and `--no-sdpa` cut it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.timing import gpu_ms  # noqa: E402
+from benchmarks.common import BS, CASES, DT, D, gpu_ms  # noqa: E402
 from flatserve.attention.base import LayerAttnParams  # noqa: E402
 from flatserve.attention.kernels.unified_attention import unified_attention  # noqa: E402
 from tests.attention.test_kernels import make_case  # noqa: E402
 
-CASES = [  # name, q_lens, seq_lens, hq, hkv
-    ("decode 64 x 2048", [1] * 64, [2048] * 64, 32, 8),
-    ("decode 256 x 1024", [1] * 256, [1024] * 256, 32, 8),
-    ("decode 8 x 8192", [1] * 8, [8192] * 8, 32, 8),
-    ("verify 4 tok x 32 x 2048", [4] * 32, [2048] * 32, 32, 8),
-    ("prefill 1 x 2048", [2048], [2048], 32, 8),
-    ("chunk 512 @ 4096 + 63 decodes", [512] + [1] * 63, [4096] + [2048] * 63, 32, 8),
-    ("16/4: decode 64 x 128", [1] * 64, [128] * 64, 16, 4),
-    ("16/4: decode 256 x 128", [1] * 256, [128] * 256, 16, 4),
-    ("16/4: decode 1024 x 128", [1] * 1024, [128] * 1024, 16, 4),
-    ("16/4: decode 64 x 2048", [1] * 64, [2048] * 64, 16, 4),
-    ("16/4: decode 256 x 2048", [1] * 256, [2048] * 256, 16, 4),
-    ("16/4: decode 1024 x 2048", [1] * 1024, [2048] * 1024, 16, 4),
-    ("16/4: prefill 8 x 512", [512] * 8, [512] * 8, 16, 4),
-    ("16/4: mixed 32 decodes + 4 x 512", [1] * 32 + [512] * 4, [2048] * 32 + [512] * 4, 16, 4),
-]
-D, BS, DT = 128, 16, torch.bfloat16
 TIMER = "events"  # --timer
 
 
@@ -52,19 +37,6 @@ def ceilings() -> dict:
     b = torch.randn(8192, 8192, dtype=DT, device="cuda")
     tm = gpu_ms(lambda: a @ b, TIMER)
     return {"copy_GBps": 2 * x.numel() / t / 1e6, "matmul_TFLOPs": 2 * 8192**3 / tm / 1e9}
-
-
-def rotated_run(sets: list, p: LayerAttnParams, **kw) -> Callable[[], None]:
-    """unified_attention on the next of `sets` at each call: inputs rotate, so L2 holds none."""
-    outs = [torch.empty_like(s[0]) for s in sets]
-    i = [0]
-
-    def run() -> None:
-        k = i[0] = (i[0] + 1) % len(sets)
-        q, kc, vc, meta = sets[k]
-        unified_attention(q, kc, vc, meta, p, out=outs[k], **kw)
-
-    return run
 
 
 def costs(q_lens: list[int], seq_lens: list[int], hq: int, hkv: int) -> tuple[int, int]:

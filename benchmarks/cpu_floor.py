@@ -5,21 +5,32 @@ step of R rows costs at least max(bytes / bandwidth, 2 R params / flops); a benc
 tokens/s can be set against it.
 
     .venv/bin/python benchmarks/cpu_floor.py [--rows 1,16] [--context 320]
+    .venv/bin/python benchmarks/cpu_floor.py --sweep
+
+--sweep: instead, the read bandwidth by working-set size (fp32 arrays of 32 MB to 1.5 GB, best
+of 3 rounds of 4 passes each). Where the rate falls shows how much of the L3 one process keeps
+between passes; a decode step of the default model reads ~536 MB of bf16 weights plus its KV.
+
+Runtime (estimate, not timed): well under a minute on 2 cores, the sweep too.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from flatserve import device as dev
-from flatserve.model.config import ModelConfig
-from flatserve.model.loader import load_hf_config, resolve_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
+from benchmarks.common import isa  # noqa: E402
+from flatserve.model.config import ModelConfig  # noqa: E402
+from flatserve.model.loader import load_hf_config, resolve_model  # noqa: E402
 
 
 def read_gbs(mb: int = 512) -> float:
-    """GB/s of repeated full reads (x.sum()) of an array well past the L3: best of 3 x 4."""
+    """GB/s of repeated full reads (x.sum()) of an `mb`-MB fp32 array (the default is well past
+    the L3): best of 3 rounds of 4 passes."""
     x = torch.randn(mb * 2**20 // 4)
     x.sum()
     best = 0.0
@@ -42,19 +53,18 @@ def fp32_gflops(m: int = 512, k: int = 640, n: int = 2048) -> float:
     return best
 
 
-def isa() -> str:
-    flags = dev._cpu_flags()
-    levels = [("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"),
-              ("avx2+fma+f16c", "avx2")]
-    return next((name for name, f in levels if f in flags), "portable")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--context", type=int, default=320, help="tokens each row's KV holds")
+    ap.add_argument("--sweep", action="store_true", help="read bandwidth by working-set size, then exit")
     a = ap.parse_args()
+    if a.sweep:
+        print(f"{torch.get_num_threads()} threads")
+        for mb in (32, 64, 128, 256, 384, 512, 768, 1024, 1536):
+            print(f"{mb:5d} MB: read {read_gbs(mb):.1f} GB/s", flush=True)
+        return
     m = ModelConfig.from_hf(load_hf_config(resolve_model(a.model)))
     h, q, kv, i = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
     layer = h * (q + 2 * kv) + q * h + 3 * h * i

@@ -2,10 +2,15 @@
 at 1, 16 and 64 concurrent requests, beside the tokens a padded [B, H, T_max, D] cache would hold.
 
     python benchmarks/memory_cpu.py
+
+Runtime (estimate, not timed): a few minutes on a 2-core CPU (three engines, the 64-request run's
+prompts of up to 1,500 tokens dominate). Writes bench_out/memory_cpu.json.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -44,6 +49,7 @@ def run(n: int) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows = [run(n) for n in (1, 16, 64)]
     print(rows[0]["line"])
     print("| requests | peak RSS GiB | flat KV tokens | padded KV tokens | padding waste |")
@@ -51,6 +57,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['requests']} | {r['peak_rss'] / 2**30:.2f} | {r['flat_tokens']} | "
               f"{r['padded_tokens']} | {r['padded_tokens'] / r['flat_tokens']:.2f}x |")
+    os.makedirs("bench_out", exist_ok=True)
     json.dump(rows, open("bench_out/memory_cpu.json", "w"), indent=1)
 
 

@@ -8,28 +8,23 @@ and fp32) and copy bandwidth, giving the issue's floor for the run, max(FLOPs / 
 decode-step bytes / bandwidth), where a step's bytes are the weights and the KV its queries see;
 and a bound no one-token-per-step engine can beat (`floor_and_bound`: the prompts' FLOPs, then
 max_tokens - 1 memory-bound steps).
+
+Runtime (estimate, not timed): several minutes on a 2-core CPU at --levels 1,4,16 (six subprocesses
+each loading the model; transformers' padded generate is the slow half).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import resource
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-WORDS = ("the of and a to in is you that it he was for on are as with his they at be this "
-         "from have or by one had not but what all were when we there can an your which their").split()
-
-
-def make_prompts(n: int, seed: int = 0) -> list[str]:
-    """Mixed lengths 10..1,500 tokens (about one token per word for this vocabulary)."""
-    rng = random.Random(seed)
-    lens = [10, 1500] + [rng.randint(10, 1500) for _ in range(max(0, n - 2))]
-    return [" ".join(rng.choice(WORDS) for _ in range(L)) for L in lens[:n]]
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, in children too
+from benchmarks.common import make_prompts  # noqa: E402
 
 # Engine variants: flatserve with one engine argument changed, for same-run A/Bs.
 VARIANTS = {"flatserve": {}, "flatserve-int8": {"quantization": "int8"},
@@ -122,7 +117,7 @@ def measure_floor(dtype: str) -> dict:
     # Arrays of 256 MiB or twice the last-level cache, whichever is larger: the floor is about
     # memory, and this VM's host has a 480 MiB L3. A 256 MiB copy (512 MiB touched) read
     # 25.0 GB/s on one day and 38.5 GB/s on another, its read-only stream 55 GB/s:
-    # partly cache hits (benchmarks/cpu_bandwidth.py: 52 GB/s at 128 MB, 28-30 from 256 MB).
+    # partly cache hits (benchmarks/cpu_floor.py --sweep: 52 GB/s at 128 MB, 28-30 from 256 MB).
     res["stream_bytes"] = max(256 * 2**20, 2 * _llc_bytes())
     x = torch.randn(res["stream_bytes"] // 4)
     y = torch.empty_like(x)

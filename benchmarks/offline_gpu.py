@@ -3,6 +3,10 @@ batching (`generate_batch`, paged|sdpa) as the peer, each in its own subprocess 
 
     PYTHONPATH=. python3 benchmarks/offline_gpu.py --shape qwen3-0.6b --prompts 500 --input 512 --output 128
     PYTHONPATH=. python3 benchmarks/offline_gpu.py --shape qwen3-30b-a3b   # MoE (also gpt-oss-20b)
+
+Runtime (estimate, not timed): a few minutes on one H100/H200 for the default 500 x 512/128 with
+both engines (transformers' generate_batch takes most of it; flatserve alone well under one);
+--timeout caps each engine's subprocess (300 s).
 """
 from __future__ import annotations
 

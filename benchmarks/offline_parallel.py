@@ -13,6 +13,9 @@ with like on the same machine.
 
 Needs 2 GPUs for tp2/dp2. Every process the engine starts has NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (flatserve/distributed).
+
+Runtime (estimate): several minutes per layout at Llama-3-8B shapes (docs/performance-gpu.md: a
+200 s device call did not hold the checkpoint, tp1 and tp2 at 200 prompts).
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Agent split (multi-turn, growing shared prefixes): TTFT with and without prefix caching.
 #   bash benchmarks/prefix_cache_agent.sh [NUM_PROMPTS] [INPUT_LEN]
+# Two server starts (caching on, then off), one `flatserve bench serve` agent run each; reports
+# under bench_out/prefix/. Runtime (estimate, not timed): a few minutes on a 2-core CPU at 8 x 2048.
 set -euo pipefail
 N=${1:-8}; L=${2:-2048}; PORT=8178; PY=.venv/bin/python
 for mode in on off; do

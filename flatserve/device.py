@@ -113,7 +113,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     decode step reads: 0.5 against 1.0 GiB for Gemma 3 270M) and are widened to fp32 in
     registers (a 16-bit shift). Measured not slower than fp32 there: torch's bf16 linears at the
     default model's shapes took 0.59x fp32's time at 1 row and 0.97x at 16
-    (benchmarks/cpu_dtype_ab.py, AVX2 AMD EPYC, 2 cores, 2026-11-25)."""
+    (benchmarks/dev/cpu_dtype_ab.py, AVX2 AMD EPYC, 2 cores, 2026-11-25)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
@@ -216,7 +216,7 @@ def keep_freed_heap(device: torch.device) -> bool:
     at the top of the heap, so free() returns them and the next step faults every 4 KB page in
     again. A verify step at 16 requests x 4 tokens has 55 x 262k bf16 logits (29 MB): ~7,000
     faults a step, which took the LM head to 54 ms against 20 without them
-    (`benchmarks/cpu_profile_step.py 16 --by-kernel --ngram 3`; the git history of
+    (`benchmarks/dev/cpu_profile_step.py 16 --by-kernel --ngram 3`; the git history of
     docs/benchmarks/cpu.md). The heap then holds about the
     largest step's transients, which the memory budget counts as peak activations; small
     allocations can split freed blocks, so it may settle somewhat above one step's worth. The

@@ -1,9 +1,9 @@
 """Decode-size GEMMs on the GPU: the model's projections at 64 and 256 rows, cuBLAS vs cuBLASLt.
 
-    PYTHONPATH=. python3 benchmarks/skinny_gemm.py [--shape qwen3-0.6b] [--out F.json]
+    PYTHONPATH=. python3 benchmarks/dev/skinny_gemm.py [--shape qwen3-0.6b] [--out F.json]
 
 Why: at 64 rows a decode step's five GEMMs per layer read ~30 MB of weights (7 us at 4 TB/s) and
-took 0.76 ms per forward against a 0.28 ms floor (a kernel profile of benchmarks/step_breakdown.py --profile).
+took 0.76 ms per forward against a 0.28 ms floor (a kernel profile of benchmarks/dev/step_breakdown.py --profile).
 Each row: median us (triton.testing.do_bench, L2 flushed between runs), achieved weight GB/s.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ weight-read rate (GB/s of bf16 weight bytes) or GFLOP/s. Cold weights: each call
 the previous calls pushed out of cache (a rotation of copies larger than the L3), as a decode
 step's layers do.
 
-    .venv/bin/python benchmarks/cpu_avx2_gemm.py [--rows 1,16,512]
+    .venv/bin/python benchmarks/dev/cpu_avx2_gemm.py [--rows 1,16,512]
 """
 from __future__ import annotations
 

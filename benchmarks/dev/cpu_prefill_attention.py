@@ -3,7 +3,7 @@ backend's `attend_one` (per-sequence SDPA on that sequence's K/V already gathere
 backend also has to do first and this leaves untimed), same inputs, same run; ms per call, the
 kernel's GFLOP/s over the visible (query, key) pairs, and each one's max error against float64.
 
-    .venv/bin/python benchmarks/cpu_prefill_attention.py
+    .venv/bin/python benchmarks/dev/cpu_prefill_attention.py
 
 Shapes: Gemma 3 270M (4 q heads on 1 KV head, head 256; its local layers' 512 window and its
 global layers) and Qwen3-0.6B (16 q heads on 8 KV heads, head 128); bf16; a whole prompt from
@@ -17,23 +17,10 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.timing import ms_per_call  # noqa: E402
+from benchmarks.common import ms_per_call, paged  # noqa: E402
 from flatserve.attention import cpu_backend  # noqa: E402
 from flatserve.attention.base import LayerAttnParams  # noqa: E402
 from flatserve.attention.torch_backend import attend_one  # noqa: E402
-
-
-def paged(k: torch.Tensor, v: torch.Tensor, bs: int = 16) -> tuple[torch.Tensor, ...]:
-    """k/v [L, Hkv, D] -> caches [N, bs, Hkv, D] in shuffled blocks, block table [1, nb]."""
-    L, hkv, d = k.shape
-    nb = -(-L // bs)
-    ids = torch.randperm(nb) + 1
-    kc = torch.zeros(nb + 1, bs, hkv, d, dtype=k.dtype)
-    vc = torch.zeros_like(kc)
-    pad = nb * bs - L
-    kc[ids] = torch.cat([k, k.new_zeros(pad, hkv, d)]).view(nb, bs, hkv, d)
-    vc[ids] = torch.cat([v, v.new_zeros(pad, hkv, d)]).view(nb, bs, hkv, d)
-    return kc, vc, ids.to(torch.int32)[None]
 
 
 def visible_pairs(n: int, ctx: int, win: int | None) -> int:

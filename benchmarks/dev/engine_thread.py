@@ -1,6 +1,6 @@
 """LLM.generate on the main thread vs on a second thread after building on the main one (libgomp).
 
-    .venv/bin/python benchmarks/engine_thread.py
+    .venv/bin/python benchmarks/dev/engine_thread.py
 """
 import sys, time, threading
 sys.path.insert(0, ".")

@@ -3,7 +3,7 @@
 bf16, causal mask with the 512 sliding window. The evidence for the 4-D views in
 flatserve/attention/torch_backend.py; ms per call and the max error of each against float64.
 
-    .venv/bin/python benchmarks/cpu_prefill_sdpa.py
+    .venv/bin/python benchmarks/dev/cpu_prefill_sdpa.py
 """
 
 import sys
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
-from benchmarks.timing import ms_per_call  # noqa: E402
+from benchmarks.common import ms_per_call  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Host cost of one engine step at N decodes, the model forward stubbed out (device-independent).
 
-    .venv/bin/python benchmarks/host_step.py 256 [profile]
+    .venv/bin/python benchmarks/dev/host_step.py 256 [profile]
 """
 import cProfile, pstats, sys, tempfile, time
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Where a CPU offline run's time goes: steps with prompt tokens vs decode-only steps.
 
-    .venv/bin/python benchmarks/cpu_step_split.py [--requests 16] [--max-tokens 128]
+    .venv/bin/python benchmarks/dev/cpu_step_split.py [--requests 16] [--max-tokens 128]
         [--cpu-gemm amx|onednn|torch] [--attention-backend cpu|cpu-sdpa|torch] [--ngram K]
 
 The default model, the prompts of benchmarks/offline_cpu.py at that level, `LLM.generate` as the
@@ -18,7 +18,7 @@ sys.path.insert(0, ".")
 
 
 def main() -> None:
-    from benchmarks.offline_cpu import make_prompts
+    from benchmarks.common import make_prompts
     from flatserve import LLM, SamplingParams
 
     ap = argparse.ArgumentParser()

@@ -10,22 +10,23 @@ timed three ways in one process.
   do_bench does), as a check that the two harnesses agree.
 - `events+spin`: a GPU spin (no memory traffic) before each call instead: the host queues the
   call during the spin, so host launch time cannot fall between the events either
-  (benchmarks/timing.py's gpu_ms, the timer of benchmarks/attention_kernels.py since 2026-11-19).
+  (benchmarks/common.py's gpu_ms, the timer of benchmarks/attention_kernels.py since 2026-11-19).
 
-    PYTHONPATH=. python3 benchmarks/decode_flush.py [--cases "decode 64 x 2048,..."] [--reps 300]
+    PYTHONPATH=. python3 benchmarks/dev/decode_flush.py [--cases "decode 64 x 2048,..."] [--reps 300]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 import torch
 import triton
 
-from benchmarks.attention_kernels import BS, CASES, D, DT, rotated_run
-from benchmarks.timing import gpu_ms
-from flatserve.attention.base import LayerAttnParams
-from tests.attention.cases import make_case
+sys.path.insert(0, ".")  # the repo root, as the other scripts here
+from benchmarks.common import BS, CASES, D, DT, gpu_ms, rotated_run  # noqa: E402
+from flatserve.attention.base import LayerAttnParams  # noqa: E402
+from tests.attention.cases import make_case  # noqa: E402
 
 
 def events(fn, reps: int, flush: torch.Tensor | None) -> float:

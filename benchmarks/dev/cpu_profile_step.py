@@ -1,9 +1,9 @@
 """Where a CPU decode step goes: torch profiler over 5 engine steps at N concurrent requests.
 
-    .venv/bin/python benchmarks/cpu_profile_step.py 1 [--quantization int8]
-    .venv/bin/python benchmarks/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--attention-backend B]
+    .venv/bin/python benchmarks/dev/cpu_profile_step.py 1 [--quantization int8]
+    .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--attention-backend B]
         [--ngram K] [--cpu-gemm amx|onednn|torch]
-    .venv/bin/python benchmarks/cpu_profile_step.py 16 --generate [--eager]
+    .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 --generate [--eager]
 
 Default model, bf16; prompts of 10..1,500 random tokens (seeded), decoding after their prefill.
 The torch profiler sees aten ops only, not our C++ extensions; --by-kernel instead times 20
@@ -109,7 +109,7 @@ def _split_prefill(eng, spent: dict[str, float]) -> None:
 def _split_generate(n: int, spent: dict[str, float], eager: bool) -> None:
     """offline_cpu.py's flatserve run at n requests, each step's kernel times filed under
     "prompt" (a request still had prompt tokens when the step began) or "decode"."""
-    from benchmarks.offline_cpu import make_prompts
+    from benchmarks.common import make_prompts
     from flatserve import LLM, SamplingParams
 
     llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, enforce_eager=eager)

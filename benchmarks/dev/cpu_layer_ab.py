@@ -2,7 +2,7 @@
 git revision against the working tree's, alternated in one process (this box drifts +-10-25%
 between runs; median and min of --rounds).
 
-    .venv/bin/python benchmarks/cpu_layer_ab.py [--rev HEAD] [--rows 2048] [--rounds 10]
+    .venv/bin/python benchmarks/dev/cpu_layer_ab.py [--rev HEAD] [--rows 2048] [--rounds 10]
 
 Per layer: qkv (1,536 x 640), o (640 x 1,024) on a copy of q standing in for attention's output,
 the post-attention norm pair, the gated gate_up (4,096 x 640, GELU-tanh), down (640 x 2,048) and
@@ -20,11 +20,12 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.cpu_decode_ab import ab_modules  # noqa: E402
-from benchmarks.cpu_gemm_ab import SRC  # noqa: E402
+from benchmarks.common import ab_modules  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 from flatserve.model.amx import AMXLinear  # noqa: E402
 from flatserve.ops import cpu_ops  # noqa: E402
+
+SRC = "flatserve/ops/csrc/amx_gemm_cpu.cpp"  # the AMX GEMM kernel, as in cpu_gemm_ab.py
 
 EMPTY = torch.empty(0, dtype=torch.bfloat16)
 GELU = 2  # the kernel's activation code for gelu-tanh

@@ -1,8 +1,8 @@
 """The AMX prefill attention kernel at a git revision against the working tree's, built side by
 side and timed alternately in one process (this box drifts +-10-25% between runs; min of 9
-rounds). Shapes of benchmarks/cpu_prefill_attention.py's Gemma 3 270M cases, bf16.
+rounds). Shapes of benchmarks/dev/cpu_prefill_attention.py's Gemma 3 270M cases, bf16.
 
-    .venv/bin/python benchmarks/cpu_prefill_ab.py [--rev HEAD]
+    .venv/bin/python benchmarks/dev/cpu_prefill_ab.py [--rev HEAD]
 """
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.cpu_decode_ab import ab_modules  # noqa: E402
-from benchmarks.cpu_prefill_attention import paged  # noqa: E402
+from benchmarks.common import ab_modules, paged  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 
 SRC = "flatserve/attention/csrc/paged_prefill_amx.cpp"

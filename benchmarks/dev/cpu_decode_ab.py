@@ -1,7 +1,7 @@
 """The CPU decode kernel at a git revision against the working tree's, built side by side and
 timed alternately in one process (this box drifts +-10% between runs; min of 15 x 10 calls).
 
-    .venv/bin/python benchmarks/cpu_decode_ab.py [--rev bb680e4] [--rows 4]
+    .venv/bin/python benchmarks/dev/cpu_decode_ab.py [--rev bb680e4] [--rows 4]
 
 One Gemma-3-270M layer's shape (4 q heads, 1 KV head, head 256, block 16), 16 sequences with
 contexts 10..1,500 + 64 (seeded), bf16; full attention and the 512 window. Prints ms per call.
@@ -9,7 +9,7 @@ contexts 10..1,500 + 64 (seeded), bf16; full attention and the 512 window. Print
 (before 2026-11-22) gets them as N one-row decodes each, as the backend then passed them.
 --layers N: N layers' own caches (~13 MB each), called in turn and timed per call as in an
 engine step, so that the KV comes from DRAM (this VM's L3 kept one layer's cache: 13 MB read
-back at ~50 GB/s, against ~27 GB/s from DRAM; benchmarks/cpu_bandwidth.py).
+back at ~50 GB/s, against ~27 GB/s from DRAM; benchmarks/cpu_floor.py --sweep).
 --cold: as in an engine's decode step, each layer's call follows a read of 11 MB of other memory
 (a layer's weights) and each pass over the layers one of 171 MB (the greedy LM head), so that
 the KV arrives from DRAM, with the memory traffic around it, as a decode step sees it. Timed:
@@ -19,44 +19,16 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, ".")
-from flatserve import device as dev  # noqa: E402
-from flatserve import kernels  # noqa: E402
+from benchmarks.common import ab_modules  # noqa: E402
 from tests.attention.cases import make_case  # noqa: E402
 
 SRC = "flatserve/attention/csrc/paged_decode_cpu.cpp"
-
-
-def build_at_rev(src: str, rev: str, prefix: str) -> object:
-    """The C++ source `src` as it is at git revision `rev`, built under its own module name with
-    the shared headers (flatserve/csrc) as they are at `rev`: they are written beside the
-    source, where its quoted includes look first."""
-    def show(path: str) -> str:
-        return subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True,
-                              text=True).stdout
-    tmp = Path(tempfile.mkdtemp())
-    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "flatserve/csrc/"], check=True,
-                           capture_output=True, text=True).stdout.split()
-    files = {Path(p).name: show(p) for p in [*names, src] if p == src or p.endswith(".h")}
-    for name, text in files.items():
-        (tmp / name).write_text(text)
-    tag = abs(hash("".join(files.values()))) % 10**8
-    return kernels.build_module(f"{prefix}_{tag}", tmp / Path(src).name)
-
-
-def ab_modules(src: str, rev: str, prefix: str, name: str) -> dict[str, object]:
-    """{rev: the source at `rev`, "working tree": the module as the engine builds it (`name`)}."""
-    level = dev.cpu_isa()
-    return {rev: build_at_rev(src, rev, prefix),
-            "working tree": kernels.build_module(f"{name}_{level}", src, level)}
 
 
 def gemma_case(a: argparse.Namespace) -> tuple:

@@ -2,7 +2,7 @@
 default model's (Gemma 3 270M) linear shapes at 1 and 16 rows, ms per call, both dtypes
 interleaved in one run, and the ISA level this CPU runs.
 
-    .venv/bin/python benchmarks/cpu_dtype_ab.py [--threads N]
+    .venv/bin/python benchmarks/dev/cpu_dtype_ab.py [--threads N]
 
 A decode step reads every weight once, so bf16 halves the bytes; whether that is faster depends
 on torch's bf16 GEMM on this CPU (native on AMX / AVX512-BF16, converted elsewhere).
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
-from benchmarks.timing import ms_per_call  # noqa: E402
+from benchmarks.common import ms_per_call  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 
 # (in, out) of Gemma 3 270M's linears: qkv, o, gate_up, down, LM head.

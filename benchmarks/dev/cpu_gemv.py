@@ -6,7 +6,7 @@ bf16 on our AMX kernel (`amx`, flatserve/model/amx.py, where the CPU has AMX),
 effective GB/s of the bf16 paths. Rows: 1 and 16 (decode), 64 (16 verify runs of 4), 512 and
 2,048 (prefill chunks).
 
-    .venv/bin/python benchmarks/cpu_gemv.py
+    .venv/bin/python benchmarks/dev/cpu_gemv.py
 """
 import sys, time
 sys.path.insert(0, ".")

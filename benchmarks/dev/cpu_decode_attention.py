@@ -1,6 +1,6 @@
 """One layer of CPU decode attention, torch backend vs the C++ kernel (same inputs, same run).
 
-    .venv/bin/python benchmarks/cpu_decode_attention.py [--seqs 16] [--dtype bfloat16]
+    .venv/bin/python benchmarks/dev/cpu_decode_attention.py [--seqs 16] [--dtype bfloat16]
 
 Gemma-3-270M attention shape (4 q heads, 1 KV head, head 256, block 16), contexts 10..1,500 + 64
 (seeded), shuffled block tables; full attention and a 512-token window. Prints ms per call.
@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.timing import ms_per_call  # noqa: E402
+from benchmarks.common import ms_per_call  # noqa: E402
 from flatserve.attention.base import LayerAttnParams  # noqa: E402
 from flatserve.attention.cpu_backend import paged_decode  # noqa: E402
 from flatserve.attention.torch_backend import paged_attention_ref  # noqa: E402

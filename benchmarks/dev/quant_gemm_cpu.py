@@ -2,7 +2,7 @@
 fp32 F.linear on the same weights dequantized, on the default model's shapes and formats, at
 decode sizes (1 and 16 rows) and one prompt chunk; the two alternated per round, median reported.
 
-  PYTHONPATH=. python benchmarks/quant_gemm_cpu.py [--rounds 5]
+  PYTHONPATH=. python benchmarks/dev/quant_gemm_cpu.py [--rounds 5]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Where AMX runs, also the gate_up projection (4,096 x 640) with GELU-tanh: the AM
 act_and_mul, against the gated GEMM that applies the activation in its epilogue (min of 5 x 10
 calls each, alternated; outputs asserted equal).
 
-    .venv/bin/python benchmarks/cpu_fused_ops.py [--rev REV]
+    .venv/bin/python benchmarks/dev/cpu_fused_ops.py [--rev REV]
 
 --rev REV: instead, RMSNorm + residual and q/k norm + rotary of the C++ module as it is at git
 revision REV against the working tree's, built side by side, same inputs, alternated (min of 5 x
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
-from benchmarks.timing import ms_per_call  # noqa: E402
+from benchmarks.common import ms_per_call  # noqa: E402
 from flatserve.model.config import RopeConfig  # noqa: E402
 from flatserve.model.layers import RMSNorm, Rotary  # noqa: E402
 from flatserve.ops import cpu_ops  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
 
 
 def ab(rev: str) -> None:
-    from benchmarks.cpu_decode_ab import build_at_rev
+    from benchmarks.common import build_at_rev
 
     mods = {rev: build_at_rev("flatserve/ops/csrc/fused_cpu.cpp", rev, "fused_ab"),
             "working tree": cpu_ops.module()}

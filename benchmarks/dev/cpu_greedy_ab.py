@@ -2,7 +2,7 @@
 default model's LM head, each call cold, alternated in one process (this box drifts +-10-25%
 between runs; median and min of --rounds). Prints the candidates a row too.
 
-    .venv/bin/python benchmarks/cpu_greedy_ab.py [--rev 6437eb2] [--rounds 24]
+    .venv/bin/python benchmarks/dev/cpu_greedy_ab.py [--rev 6437eb2] [--rounds 24]
 
 Before each call, 351 MB of other memory is read (a decode step's layer weights and KV), so that
 the 171 MB copy streams from DRAM as in an engine step; with --warm, calls run back to back on a
@@ -23,10 +23,11 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.cpu_decode_ab import ab_modules  # noqa: E402
-from benchmarks.cpu_gemm_ab import SRC  # noqa: E402
+from benchmarks.common import ab_modules  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 from flatserve.model.greedy_head import greedy_layout, quantize_7bit, x_stats  # noqa: E402
+
+SRC = "flatserve/ops/csrc/amx_gemm_cpu.cpp"  # the AMX GEMM kernel, as in cpu_gemm_ab.py
 
 
 def rows_layout(u: torch.Tensor) -> torch.Tensor:

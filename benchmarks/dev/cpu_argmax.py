@@ -1,7 +1,7 @@
 """Greedy argmax on the CPU: torch on fp32 logits (with and without the bf16 -> fp32 copy), torch
-on bf16 logits, and the fused C++ op (`device.row_argmax`); same logits, same run.
+on bf16 logits, and the fused C++ op (`kernels.row_argmax`, flatserve/kernels.py); same logits, same run.
 
-    .venv/bin/python benchmarks/cpu_argmax.py
+    .venv/bin/python benchmarks/dev/cpu_argmax.py
 
 Gemma 3's 262,144-token vocabulary, 16 rows and 1 row, bf16; ms per call (30 calls).
 """
@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.timing import ms_per_call  # noqa: E402
+from benchmarks.common import ms_per_call  # noqa: E402
 from flatserve import kernels  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 table) against the packed kernel and F.linear on the same weight, per shape and row count, same
 run, alternated (min of 5 rounds). Gemma 3 270M's shapes, bf16, anonymous memory.
 
-    .venv/bin/python benchmarks/cpu_plain_gemm.py
+    .venv/bin/python benchmarks/dev/cpu_plain_gemm.py
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 // the engine's GEMMs and attention are from what the tile unit can do, and where the data must
 // sit for it.
 //
-//     g++ -O2 -march=native -fopenmp benchmarks/cpu_amx_peak.cpp -o /tmp/amx_peak && /tmp/amx_peak
+//     g++ -O2 -march=native -fopenmp benchmarks/dev/cpu_amx_peak.cpp -o /tmp/amx_peak && /tmp/amx_peak
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>

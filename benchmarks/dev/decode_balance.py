@@ -3,19 +3,21 @@ the SMs? If so, the time tracks the largest per-SM load, not the total: 62, 64 a
 (496 / 512 / 528 programs at 4 per SM on 132 SMs) would take about the same time. Also the same
 batch split into 2 and 4 KV segments (with the merge pass).
 
-    PYTHONPATH=. python3 benchmarks/decode_balance.py [--seqs 56,60,62,64,66,68,72] [--rounds 5]
+    PYTHONPATH=. python3 benchmarks/dev/decode_balance.py [--seqs 56,60,62,64,66,68,72] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 import torch
 import triton
 
-from benchmarks.attention_kernels import BS, D, DT, rotated_run
-from flatserve.attention.base import LayerAttnParams
-from tests.attention.cases import make_case
+sys.path.insert(0, ".")  # the repo root, as the other scripts here
+from benchmarks.common import BS, D, DT, rotated_run  # noqa: E402
+from flatserve.attention.base import LayerAttnParams  # noqa: E402
+from tests.attention.cases import make_case  # noqa: E402
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Where one decode step's time goes on the GPU: each phase of `Engine.step` timed on its own.
 
-    PYTHONPATH=. python3 benchmarks/step_breakdown.py --shape qwen3-0.6b --batch 64,256 --ctx 512
+    PYTHONPATH=. python3 benchmarks/dev/step_breakdown.py --shape qwen3-0.6b --batch 64,256 --ctx 512
     # MoE split (attention `_attn_kernel`, MoE `_route_kernel`/`_moe_gemm_kernel`, dense cuBLAS):
-    PYTHONPATH=. python3 benchmarks/step_breakdown.py --shape qwen3-30b-a3b --batch 64 --profile \
+    PYTHONPATH=. python3 benchmarks/dev/step_breakdown.py --shape qwen3-30b-a3b --batch 64 --profile \
         --no-async-scheduling
 
 Phases (CUDA-synchronised between them, so the sum is an upper bound of one step's wall time):

@@ -2,7 +2,7 @@
 drift between calls falls on every config alike; median over rounds of do_bench medians over
 the 4 L2-rotated input sets of benchmarks/attention_kernels.py.
 
-    PYTHONPATH=. python3 benchmarks/decode_cfg_ab.py [--cfgs "16,64,4,2 16,64,2,2"] [--rounds 5]
+    PYTHONPATH=. python3 benchmarks/dev/decode_cfg_ab.py [--cfgs "16,64,4,2 16,64,2,2"] [--rounds 5]
         [--cases "decode 64 x 2048,decode 256 x 1024,decode 8 x 8192"]
 """
 from __future__ import annotations
@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 import torch
 import triton
 
-from benchmarks.attention_kernels import BS, CASES, D, DT, rotated_run
-from flatserve.attention.base import LayerAttnParams
-from flatserve.attention.kernels import unified_attention as ua
-from tests.attention.cases import make_case
+sys.path.insert(0, ".")  # the repo root, as the other scripts here
+from benchmarks.common import BS, CASES, D, DT, rotated_run  # noqa: E402
+from flatserve.attention.base import LayerAttnParams  # noqa: E402
+from flatserve.attention.kernels import unified_attention as ua  # noqa: E402
+from tests.attention.cases import make_case  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The default model's LM head for greedy rows: bf16 head + argmax vs the bounded 7-bit greedy head.
 
-    .venv/bin/python benchmarks/cpu_greedy_head.py [--rows 1,4,16] [--reps 30]
+    .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30]
 
 Real hidden states: the final-norm outputs of the benchmark's 16 prompts (benchmarks/offline_cpu.py)
 over 24 greedy steps. For each row count, the two paths alternate on the same inputs (median
@@ -20,7 +20,7 @@ sys.path.insert(0, ".")
 
 
 def main() -> None:
-    from benchmarks.offline_cpu import make_prompts
+    from benchmarks.common import make_prompts
     from flatserve import LLM, SamplingParams
     from flatserve import kernels
     from flatserve.model.greedy_head import x_stats

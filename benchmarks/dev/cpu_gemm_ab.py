@@ -1,7 +1,7 @@
 """The AMX GEMM kernel at a git revision against the working tree's, built side by side and timed
 alternately in one process (this box drifts +-10-25% between runs; min of 9 rounds).
 
-    .venv/bin/python benchmarks/cpu_gemm_ab.py [--rev HEAD]
+    .venv/bin/python benchmarks/dev/cpu_gemm_ab.py [--rev HEAD]
 
 Gemma 3 270M's shapes (bf16, the packed layout both kernels share), at decode, verify (64 rows:
 16 requests x 4 with ngram speculation) and prefill row counts. Prints ms per call for each.
@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.cpu_decode_ab import ab_modules  # noqa: E402
+from benchmarks.common import ab_modules  # noqa: E402
 from flatserve import device as dev  # noqa: E402
 from flatserve.model.amx import AMXLinear  # noqa: E402
 
