@@ -1,8 +1,8 @@
 // This CPU's AMX bf16 rate: tile products with no loads, then the GEMM kernels' 2 x 2 tile loop
 // (two A tiles of x rows, two B tiles of a weight half-group per k step) over a B working set
-// of a given size, on 1 and 2 threads. Context for docs/benchmarks/cpu.md's git history: how far
-// the engine's GEMMs and attention are from what the tile unit can do, and where the data must
-// sit for it.
+// of a given size, on 1 and 2 threads. Context for the AMX figures (docs/performance-cpu.md; the
+// older ones in `git log -- docs/benchmarks/cpu.md`): how far the engine's GEMMs and attention
+// are from what the tile unit can do, and where the data must sit for it.
 //
 //     g++ -O2 -march=native -fopenmp benchmarks/dev/cpu_amx_peak.cpp -o /tmp/amx_peak && /tmp/amx_peak
 #include <immintrin.h>
