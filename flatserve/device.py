@@ -41,7 +41,6 @@ def check_backend(backend: str, device: torch.device) -> None:
 
 
 @functools.cache
-@functools.cache
 def _cpu_flags() -> frozenset[str]:
     """This CPU's feature flags from /proc/cpuinfo (Linux); empty elsewhere. Read once: the
     quantized linears ask per call."""

@@ -3,7 +3,7 @@
 Why: oneDNN's pre-packed path (flatserve/model/onednn.py) left a third of the copy bandwidth
 unused on the LM head and spent about as long in per-call overhead as in reading the small
 per-layer weights. `csrc/amx_gemm_cpu.cpp` streams a weight packed once into 64-column panels of
-AMX tiles; `benchmarks/cpu_gemv.py` compares the two per shape and row count, and
+AMX tiles; `benchmarks/dev/cpu_gemv.py` compares the two per shape and row count, and
 the git history of docs/benchmarks/cpu.md end to end. Same fp32 accumulation and one bf16 rounding as
 oneDNN and F.linear.
 
@@ -58,7 +58,7 @@ class AMXLinear(nn.Module):
 
     The plain kernel (`linear_plain`) computes C^T = W x^T with A tiles taken straight from W's
     rows. On the 262k x 640 LM head it ran 0.88-1.04x of the packed kernel at 1-32 rows and
-    0.87-0.90x at 64 (benchmarks/cpu_plain_gemm.py and its scratch forerunner, two runs), and it
+    0.87-0.90x at 64 (benchmarks/dev/cpu_plain_gemm.py and its scratch forerunner, two runs), and it
     saves the packed copy (335 MB for Gemma 3 270M).
     The per-layer weights stay packed: their plain reads were up to 2.7x slower where rows sit
     2-4 KB apart (K = 1,024 / 2,048: L1 set conflicts), and packing them costs no memory.

@@ -2,7 +2,7 @@
 
 Why: the kernels of a decode step are short (a 16-row linear of Gemma 3 270M reads 1-5 MB), and
 the Python between ~200 of them (module calls, views, pybind argument conversion) was ~17% of
-the main thread at 16 decodes (perf, benchmarks/cpu_profile_step.py). The stack calls the same
+the main thread at 16 decodes (perf, benchmarks/dev/cpu_profile_step.py). The stack calls the same
 kernels in the same order from C++, so its output is bit-identical to the Python layers running
 those kernels (tests/test_cpu_stack.py); the layers stay the reference and run every step the
 stack does not take (prompt chunks, where host time is noise against 300 ms of GEMMs).

@@ -5,7 +5,7 @@ Why: at 16 requests the bf16 LM head of Gemma 3 270M (262k x 640, 335 MB) is ~13
 rows only the argmax matters, so the kernel streams a one-byte-per-weight copy instead (171 MB)
 with a bound per row on how far its estimate can be from the bf16 kernel's logit, and keeps the
 rows that could be the argmax (~200 of 262k per token for the default model:
-benchmarks/cpu_greedy_head.py). The bf16 kernel itself then computes those rows, so the token is
+benchmarks/dev/cpu_greedy_head.py). The bf16 kernel itself then computes those rows, so the token is
 the one `row_argmax(lm_head(x))` gives, ties included: the bounds are rigorous, not statistical.
 
 The copy is 7-bit (q in [-63, 63], stored as u = q + 64 in [1, 127]) and goes to AMX int8 tiles

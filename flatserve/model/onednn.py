@@ -3,7 +3,7 @@
 Why: a CPU decode step is weight-read bound, and `F.linear` in bf16 reads the weights at under
 half of this box's copy bandwidth. The same GEMM on a weight reordered once into oneDNN's blocked
 layout (`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezing uses) ran
-1.1-2.5x faster at 1 and 16 rows (`benchmarks/cpu_gemv.py`, dev box with AMX: Gemma 3's 262k x
+1.1-2.5x faster at 1 and 16 rows (`benchmarks/dev/cpu_gemv.py`, dev box with AMX: Gemma 3's 262k x
 640 LM head 28.6 -> 17.1 ms at 1 row, 29.6 -> 18.8 ms at 16; 640 x 2048 0.30 -> 0.12 ms at 1
 row) and about even at 512 rows (0.78-1.0x: prefill chunks are compute-bound either way). Same
 error against a float64 reference as `F.linear` (both accumulate in fp32). In fp32 it was slower
