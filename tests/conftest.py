@@ -9,6 +9,15 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# pytest-xdist runs one process per core, and torch in each spawns one OpenMP thread per core:
+# 2 workers on 2 cores ran 4 spinning threads, and `pytest -n 2 tests/model/test_parity.py -k
+# "llama or qwen3"` took 57 s against 21 s with one thread per worker (2-core AMD EPYC,
+# 2026-11-26). Each worker (and the servers and ranks its tests start, through the environment)
+# gets its share of the cores; a serial run keeps torch's default.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 VOCAB = 512
 
 

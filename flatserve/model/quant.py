@@ -9,7 +9,7 @@ bytes per token of its Q4_K_M file and holds 2-3x the memory (issue #30's figure
 A `QuantLinear` holds its rows as segments of one format each (q|k|v or gate|up fuse at load,
 and a Q4_K_M file may store v in Q8_0 beside q and k in Q5_0). On the CPU the C++ kernel
 (ops/csrc/quant_gemm_cpu.cpp) reads the blocks in place, with activations quantized to 8 bits per
-32 values in two passes (_two_pass_act); elsewhere, or without a compiler, `reference`
+32 values in two passes (ACT_PASSES); elsewhere, or without a compiler, `reference`
 dequantizes slices in torch and runs the dense matmul. A tied LM head and the embedding share one table: the embedding
 dequantizes the rows it looks up.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -39,8 +38,12 @@ SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
 # the dense GEMM computes with unquantized activations.
 PROMPT_ROWS = 32
 DENSE_ROWS = 256
-# int8 passes per activation (_two_pass_act): 2 holds issue #30's fidelity goal, 1 is llama.cpp's
-# numerics and speed (docs/performance-cpu.md has both).
+# int8 passes per activation: pass p + 1 codes what passes 0..p missed, and the GEMM sums each
+# row's passes (ops/csrc/quant_gemm_cpu.cpp). One pass, llama.cpp's q8 activations, left 0.54%
+# relative error per linear (random x, K 768) and 95.9% teacher-forced top-1 agreement on the
+# default GGUF (tests/model/test_quant_fidelity.py with FLATSERVE_QUANT_ACT_PASSES=1); two meet
+# its 99% bar for twice the int8 dot products and no more weight bytes read
+# (docs/performance-cpu.md has both speeds).
 ACT_PASSES = int(os.environ.get("FLATSERVE_QUANT_ACT_PASSES", "2"))
 QUANTIZATIONS = ("int8", "q8_0", "q4_0")  # --quantization for float checkpoints
 
@@ -129,15 +132,14 @@ class QuantLinear(nn.Module):
             y = self.reference(x, ext)
         else:
             x2 = x.reshape(-1, self.in_features).contiguous()
-            acts = _two_pass_act(ext, x2)  # int8 codes [2T, K], scale and scaled sum per 32 values
-            y2 = torch.empty(acts[0].shape[0], self.out_features, dtype=torch.float32)
+            # int8 codes [ACT_PASSES * T, K] (passes interleaved), scale and scaled sum per 32 values
+            acts = ext.quantize_act(x2, ACT_PASSES)
+            y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
             col = 0
-            for fmt, q in self.segments():  # one unpacked weight row serves all 2T rows
-                ext.gemm(*acts, q, fmt.ggml_type, y2, col)
+            for fmt, q in self.segments():  # one unpacked weight row serves every code row
+                ext.gemm(*acts, q, fmt.ggml_type, y, col, ACT_PASSES)
                 col += q.shape[0]
-            T = x2.shape[0]
-            y = y2 if y2.shape[0] == T else y2[:T] + y2[T:]
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def _triton(self) -> bool:
@@ -172,23 +174,6 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, " + \
             "|".join(f"{f.name}:{q.shape[0]}" for f, q in self.segments())
-
-
-def _two_pass_act(ext: Any, x: torch.Tensor) -> list[torch.Tensor]:
-    """x [T, K] as two int8 passes per 32 values: codes for x, then codes for what they missed
-    (x - d1 q1); the GEMM's rows [2T] sum back to x @ W^T. One pass, as llama.cpp's q8
-    activations, left 0.54% relative error per linear (random x, K 768) and 95.9% teacher-forced
-    top-1 agreement on the default GGUF (tests/model/test_quant_fidelity.py with
-    FLATSERVE_QUANT_ACT_PASSES=1); two passes meet its 99% bar for twice the int8 dot products
-    and no more weight bytes read."""
-    x = x.float()
-    q1, d1, s1 = ext.quantize_act(x)
-    if ACT_PASSES == 1:  # llama.cpp's one pass, for comparison (benchmarks/dev)
-        return [q1, d1, s1]
-    T, K = x.shape
-    resid = x - (q1.float().view(T, K // 32, 32) * d1[..., None]).view(T, K)
-    q2, d2, s2 = ext.quantize_act(resid)
-    return [torch.cat([q1, q2]), torch.cat([d1, d2]), torch.cat([s1, s2])]
 
 
 class QuantEmbedding(nn.Module):

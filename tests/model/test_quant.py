@@ -30,12 +30,30 @@ def _lin(shards, k, seed, bias=False):
 
 def _act_dequant(x: torch.Tensor) -> torch.Tensor:
     """What the kernel computes with: x's 8-bit codes times their per-32 scales, plus (two
-    passes, the default) the codes of what the first pass missed."""
+    passes, the default) the codes of what the first pass missed, each pass quantized here
+    one at a time from a residual torch computes."""
     out = torch.zeros_like(x)
     for _ in range(quant.ACT_PASSES):
         q, d, _ = quant.kernel().quantize_act((x - out).contiguous())
         out = out + (q.float().reshape(x.shape[0], -1, 32) * d[:, :, None]).reshape(x.shape)
     return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("passes", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_pass_codes_match_passes_one_at_a_time(passes, dtype) -> None:
+    """quantize_act(x, passes) interleaves each row's passes; pass p + 1 codes x minus what
+    passes 0..p hold: bit for bit as one pass at a time on a residual torch updates."""
+    rows, k = random.randint(1, 9), random.choice([64, 256])
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 4).to(dtype)
+    q, d, s = quant.kernel().quantize_act(x, passes)
+    assert q.shape == (rows * passes, k) and d.shape == s.shape == (rows * passes, k // 32)
+    resid = x.float()
+    for p in range(passes):
+        q1, d1, s1 = quant.kernel().quantize_act(resid.contiguous())
+        assert torch.equal(q[p::passes], q1) and torch.equal(d[p::passes], d1) and torch.equal(s[p::passes], s1)
+        resid = resid - (q1.float().reshape(rows, -1, 32) * d1[:, :, None]).reshape(rows, k)
 
 
 @needs_kernel

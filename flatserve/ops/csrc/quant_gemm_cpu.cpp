@@ -302,9 +302,10 @@ inline void store(T* p, float x) {
 // block stays in L1/L2 while every activation tile passes over it.
 constexpr int64_t NB = 16;
 
+// Activation rows come `passes` per output row (interleaved); their dots sum into it.
 template <typename T>
-void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt,
-               T* out, int64_t ldo) {
+void gemm_impl(const Acts& a, int64_t M, int passes, const uint8_t* w, int64_t N, int64_t row_bytes,
+               int fmt, T* out, int64_t ldo) {
   const Layout L = layout(fmt);
   const int64_t K = a.K;
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t c0, int64_t c1) {
@@ -319,67 +320,98 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
       }
       float res[4];
       int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4)
+      const int64_t R = M * passes;  // activation rows; 4 is a multiple of passes 1, 2 and 4
+      for (; m0 + 4 <= R && 4 % passes == 0; m0 += 4)
         for (int64_t r = 0; r < nn; ++r) {
           dot_rows<4>(rows[r], a, m0, L.mins, res);
-          for (int t = 0; t < 4; ++t) store(out + (m0 + t) * ldo + n0 + r, res[t]);
+          for (int t = 0; t < 4; t += passes) {
+            float y = res[t];
+            for (int p = 1; p < passes; ++p) y += res[t + p];
+            store(out + (m0 + t) / passes * ldo + n0 + r, y);
+          }
         }
-      for (; m0 < M; ++m0)
+      for (; m0 < R; m0 += passes)
         for (int64_t r = 0; r < nn; ++r) {
-          dot_rows<1>(rows[r], a, m0, L.mins, res);
-          store(out + m0 * ldo + n0 + r, res[0]);
+          float y = 0.f;
+          for (int p = 0; p < passes; ++p) {
+            dot_rows<1>(rows[r], a, m0 + p, L.mins, res);
+            y += res[0];
+          }
+          store(out + m0 / passes * ldo + n0 + r, y);
         }
     }
   });
 }
 
+// One 32-value block: codes q of v (amax / 127 per step), its scale and scaled sum.
+inline void quantize_block(const float* v, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
+  const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int l = 0; l < 32; ++l) {
+    const int32_t c = static_cast<int32_t>(std::nearbyint(v[l] * id));
+    q[l] = static_cast<int8_t>(c);
+    sum += c;
+  }
+  *d = dd;
+  *s = dd * static_cast<float>(sum);
+}
+
+// `passes` codes per row, interleaved (row m's pass p is row m * passes + p): pass p + 1 codes
+// what passes 0..p missed. The residual is v - d * q rounded as torch rounds it (no FMA), so
+// tests can rebuild it in torch bit for bit.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+__attribute__((optimize("fp-contract=off")))
+void quantize_rows(const T* x, int64_t M, int64_t K, int passes, int8_t* q, float* d, float* s) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     float buf[32];
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < nb; ++b) {
         const T* p = x + m * K + 32 * b;
-        float amax = 0.f;
-        for (int l = 0; l < 32; ++l) { buf[l] = static_cast<float>(p[l]); amax = std::max(amax, std::fabs(buf[l])); }
-        const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        int8_t* o = q + m * K + 32 * b;
-        for (int l = 0; l < 32; ++l) {
-          const int32_t v = static_cast<int32_t>(std::nearbyint(buf[l] * id));
-          o[l] = static_cast<int8_t>(v);
-          sum += v;
+        for (int l = 0; l < 32; ++l) buf[l] = static_cast<float>(p[l]);
+        for (int pass = 0; pass < passes; ++pass) {
+          const int64_t r = m * passes + pass;
+          int8_t* o = q + r * K + 32 * b;
+          quantize_block(buf, o, d + r * nb + b, s + r * nb + b);
+          const float dd = d[r * nb + b];
+          for (int l = 0; l < 32; ++l) buf[l] = buf[l] - dd * static_cast<float>(o[l]);
         }
-        d[m * nb + b] = dd;
-        s[m * nb + b] = dd * static_cast<float>(sum);
       }
   });
 }
 
 }  // namespace
 
-std::vector<at::Tensor> quantize_act(const at::Tensor& x) {
+// x [M, K] -> int8 codes [M * passes, K], scales and scaled sums [M * passes, K / 32]; passes
+// interleaved per row (flatserve/model/quant.py's two-pass activations).
+std::vector<at::Tensor> quantize_act(const at::Tensor& x, int64_t passes) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0, "quantize_act: x [M, K%32==0] contiguous");
-  const int64_t M = x.size(0), K = x.size(1);
-  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
-  auto s = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(passes >= 1 && passes <= 4, "quantize_act: 1 to 4 passes");
+  const int64_t M = x.size(0), K = x.size(1), R = M * passes;
+  auto q = at::empty({R, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({R, K / 32}, x.options().dtype(at::kFloat));
+  auto s = at::empty({R, K / 32}, x.options().dtype(at::kFloat));
+  const int P = static_cast<int>(passes);
   if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+    quantize_rows(x.data_ptr<float>(), M, K, P, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
   else if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, P, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
   else if (x.scalar_type() == at::kHalf)
-    quantize_rows(x.data_ptr<at::Half>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+    quantize_rows(x.data_ptr<at::Half>(), M, K, P, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
   else
     TORCH_CHECK(false, "quantize_act: float32, bfloat16 or float16 activations");
   return {q, d, s};
 }
 
-// out[:, col : col + N] = x @ W^T for W [N, K] stored as `fmt` blocks (uint8 [N, row_bytes]).
+// out[:, col : col + N] = x @ W^T for W [N, K] stored as `fmt` blocks (uint8 [N, row_bytes]);
+// x as quantize_act's `passes` interleaved code rows per row of out.
 void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& w,
-          int64_t fmt, at::Tensor& out, int64_t col) {
-  const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
+          int64_t fmt, at::Tensor& out, int64_t col, int64_t passes) {
+  const int64_t R = xq.size(0), K = xq.size(1), N = w.size(0);
+  TORCH_CHECK(passes >= 1 && R % passes == 0, "quant gemm: code rows ", R, " not a multiple of passes ", passes);
+  const int64_t M = R / passes;
   const Layout L = layout(static_cast<int>(fmt));
   TORCH_CHECK(K % L.block == 0 && w.size(1) == K / L.block * L.type_size && w.is_contiguous() &&
               w.scalar_type() == at::kByte, "quant gemm: weight bytes do not match K = ", K);
@@ -387,12 +419,13 @@ void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, cons
               "quant gemm: out [M, >= col + N] with unit column stride");
   const Acts a{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), K};
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int P = static_cast<int>(passes), F = static_cast<int>(fmt);
   if (out.scalar_type() == at::kFloat)
-    gemm_impl(a, M, wp, N, w.size(1), static_cast<int>(fmt), out.data_ptr<float>() + col, out.stride(0));
+    gemm_impl(a, M, P, wp, N, w.size(1), F, out.data_ptr<float>() + col, out.stride(0));
   else if (out.scalar_type() == at::kBFloat16)
-    gemm_impl(a, M, wp, N, w.size(1), static_cast<int>(fmt), out.data_ptr<at::BFloat16>() + col, out.stride(0));
+    gemm_impl(a, M, P, wp, N, w.size(1), F, out.data_ptr<at::BFloat16>() + col, out.stride(0));
   else if (out.scalar_type() == at::kHalf)
-    gemm_impl(a, M, wp, N, w.size(1), static_cast<int>(fmt), out.data_ptr<at::Half>() + col, out.stride(0));
+    gemm_impl(a, M, P, wp, N, w.size(1), F, out.data_ptr<at::Half>() + col, out.stride(0));
   else
     TORCH_CHECK(false, "quant gemm: float32, bfloat16 or float16 output");
 }
@@ -433,8 +466,11 @@ void dequant(const at::Tensor& w, int64_t fmt, at::Tensor& out) {
 std::string isa() { return QG_AVX2 ? "avx2" : "portable"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_act", &quantize_act, "x [M, K] -> int8 codes, scales, scaled sums per 32 values");
-  m.def("gemm", &gemm, "out[:, col:col+N] = x @ W^T, W as GGUF blocks read in place");
+  m.def("quantize_act", &quantize_act, "x [M, K] -> int8 codes, scales, scaled sums per 32 values",
+        py::arg("x"), py::arg("passes") = 1);
+  m.def("gemm", &gemm, "out[:, col:col+N] = x @ W^T, W as GGUF blocks read in place",
+        py::arg("xq"), py::arg("xd"), py::arg("xs"), py::arg("w"), py::arg("fmt"), py::arg("out"),
+        py::arg("col"), py::arg("passes") = 1);
   m.def("dequant", &dequant, "W's blocks -> dense rows (the torch reference's bits in fp32)");
   m.def("isa", &isa, "the vector path compiled in");
 }
