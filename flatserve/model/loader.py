@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +77,17 @@ def gguf_sidecar(path: Path) -> Path:
             if moe is not None else _gguf_tokenizer(path)
     except Exception as e:  # a corrupt or truncated file fails in many ways inside gguf
         raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from None
-    tmp = out.with_name(out.name + ".tmp")
+    # Two first starts at once (servers, test workers) each write their own folder; the first
+    # rename wins and the other's copy is dropped (both hold the same files).
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     cfg.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -238,7 +246,7 @@ def _write_gguf_weights(src: ModelSource, cfg: ModelConfig, quantized: bool, cac
                    iter_gguf_weights(src.path, cfg.num_heads, cfg.num_kv_heads, quantized)}
     except (ValueError, KeyError, IndexError, OSError) as e:
         raise ValueError(f"cannot read GGUF weights from {str(src.path)!r}: {e}") from None
-    tmp = cached.with_name(cached.name + ".tmp")
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")  # a concurrent start writes its own
     save_file(tensors, str(tmp))
     os.replace(tmp, cached)
 

@@ -146,3 +146,36 @@ def test_fused_rope_falls_back_where_the_op_cannot_take_it(tmp_path, caplog) -> 
         else:
             assert all(g == expect for g in got)
     assert "rotary dims 36" in caplog.text
+
+
+_SIDECAR = """
+import sys
+from pathlib import Path
+from flatserve.model.loader import gguf_sidecar
+print(gguf_sidecar(Path(sys.argv[1])))
+"""
+
+
+def test_concurrent_first_starts_share_one_gguf_sidecar(tmp_path) -> None:
+    """Two first starts of one GGUF at once (servers, test workers) both get the sidecar; the
+    later rename used to fail on the first one's folder ('Directory not empty')."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from tests.model.gguf_write import write_gguf
+
+    path, hf = build_checkpoint("llama", tmp_path)
+    gguf_path = write_gguf(hf, AutoTokenizer.from_pretrained(str(path)), tmp_path / "llama.gguf")
+    env = {**os.environ, "FLATSERVE_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", _SIDECAR, str(gguf_path)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-1500:] for _, e in outs]
+    dirs = {o.strip().splitlines()[-1] for o, _ in outs}
+    assert len(dirs) == 1 and (Path(dirs.pop()) / "config.json").exists()
+    assert [p.name for p in (tmp_path / "cache" / "gguf-meta").iterdir()] and \
+        not [p for p in (tmp_path / "cache" / "gguf-meta").iterdir() if ".tmp" in p.name]
