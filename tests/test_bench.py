@@ -30,7 +30,8 @@ def tok(default_model_path):
 def live(default_model_path):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--device", "cpu", "--port", str(port),
-                             "--kv-cache-memory", "256MiB", "--max-model-len", "2048"],
+                             "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
+                             "--max-num-batched-tokens", "256"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)

@@ -23,6 +23,7 @@ def server(default_model_path, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port), "--api-key", KEY,
          "--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "32",
+         "--max-num-batched-tokens", "256",
          "--served-model-name", "gemma-test", "--data-parallel-size", "2", "--device", "cpu"],
         stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

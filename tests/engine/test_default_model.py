@@ -15,7 +15,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 @pytest.fixture(scope="module")
 def llm(default_model_path) -> LLM:
     return LLM(device="cpu", model=str(default_model_path), dtype="float32", kv_cache_memory=256 * 2**20,
-               max_model_len=2048)
+               max_model_len=2048, max_num_batched_tokens=256)
 
 
 def test_greedy_matches_transformers_from_the_same_gguf(llm, default_model_path) -> None:

@@ -230,6 +230,7 @@ def test_sigterm_mid_stream_ends_streams_and_exits_zero(default_model_path) -> N
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--device", "cpu", "--port", str(port),
                              "--kv-cache-memory", "128MiB", "--max-model-len", "512",
+                             "--max-num-batched-tokens", "256",
                              "--shutdown-timeout", "0"],  # no drain: abort at once
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

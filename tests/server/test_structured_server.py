@@ -106,7 +106,7 @@ def server(default_model_path, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "flatserve.cli", "serve", "--port", str(port), "--api-key", KEY,
          "--device", "cpu", "--attention-backend", "torch", "--kv-cache-memory", "256MiB",
-         "--max-model-len", "1024",
+         "--max-model-len", "1024", "--max-num-batched-tokens", "256",
          "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--served-model-name",
          "gemma-test", "--seed", "3"],
         stdout=log, stderr=subprocess.STDOUT, text=True)

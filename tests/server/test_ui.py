@@ -29,6 +29,7 @@ KEY = "ui-key-42"
 FAST = ["--device", "cpu", "--attention-backend", "torch", "--fused-ops", "none", "--cpu-gemm", "torch",
         "--enforce-eager"]
 ARGS = ["--api-key", KEY, "--kv-cache-memory", "128MiB", "--max-model-len", "1024",
+        "--max-num-batched-tokens", "256",
         "--max-num-seqs", "8", "--served-model-name", "gemma-test"]
 NO_CPP = live.NO_CPP + "import sys\nfrom flatserve.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
