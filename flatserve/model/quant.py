@@ -19,6 +19,8 @@ import logging
 import os
 from pathlib import Path
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -32,10 +34,11 @@ _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "quant_gemm_cpu.cpp"
 _ext = CpuKernel("flatserve_quant_gemm_cpu", _SRC,
                   "quantized linears dequantize slices in torch")
 SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
-# From this many rows on, the kernel dequantizes DENSE_ROWS weight rows at a time (C++, the
-# reference's bits) and torch's dense GEMM runs on them: the int8 dot spends ~7 AVX2
-# instructions per 32 products, fp32 FMA 4, so prompt chunks are compute-bound either way and
-# the dense GEMM computes with unquantized activations.
+# Prompt tokens' rows (and, outside a step, calls of PROMPT_ROWS rows or more): the kernel
+# dequantizes DENSE_ROWS weight rows at a time (C++, the reference's bits) and torch's dense GEMM
+# runs on them: the int8 dot spends ~7 AVX2 instructions per 32 products, fp32 FMA 4, so prompt
+# chunks are compute-bound either way and the dense GEMM computes with unquantized activations.
+# Generated tokens' rows take the int8 kernel (_generated_rows).
 PROMPT_ROWS = 32
 DENSE_ROWS = 256
 # int8 passes per activation: pass p + 1 codes what passes 0..p missed, and the GEMM sums each
@@ -127,20 +130,33 @@ class QuantLinear(nn.Module):
             return y if self.bias is None else y + self.bias
         ext = kernel() if self.use_kernel and x.device.type == "cpu" else None
         if ext is None:
-            y = self.reference(x)
-        elif x.numel() >= PROMPT_ROWS * self.in_features:
-            y = self.reference(x, ext)
-        else:
-            x2 = x.reshape(-1, self.in_features).contiguous()
-            # int8 codes [ACT_PASSES * T, K] (passes interleaved), scale and scaled sum per 32 values
-            acts = ext.quantize_act(x2, ACT_PASSES)
+            return self._bias(self.reference(x))
+        x2 = x.reshape(-1, self.in_features)
+        gen = _generated_rows(x2.shape[0])
+        if gen is None:  # outside a step (tests, tools): by size, as a step of unknown rows
+            gen = x2.shape[0] < PROMPT_ROWS
+        if gen is True:
+            y = self._int8(ext, x2)
+        elif gen is False:
+            y = self.reference(x2, ext)
+        else:  # a step mixing prompt chunks and generated tokens: each row on its own path
             y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
-            col = 0
-            for fmt, q in self.segments():  # one unpacked weight row serves every code row
-                ext.gemm(*acts, q, fmt.ggml_type, y, col, ACT_PASSES)
-                col += q.shape[0]
-            y = y.reshape(*x.shape[:-1], self.out_features)
+            y[gen] = self._int8(ext, x2[gen])
+            y[~gen] = self.reference(x2[~gen], ext)
+        return self._bias(y.reshape(*x.shape[:-1], self.out_features))
+
+    def _bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
+
+    def _int8(self, ext: Any, x2: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        # int8 codes [ACT_PASSES * T, K] (passes interleaved), scale and scaled sum per 32 values
+        acts = ext.quantize_act(x2.contiguous(), ACT_PASSES)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)
+        col = 0
+        for fmt, q in self.segments():  # one unpacked weight row serves every code row
+            ext.gemm(*acts, q, fmt.ggml_type, y, col, ACT_PASSES)
+            col += q.shape[0]
+        return y
 
     def _triton(self) -> bool:
         """Every segment in a format the Triton kernel reads (the K formats: not yet)."""
@@ -174,6 +190,37 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, " + \
             "|".join(f"{f.name}:{q.shape[0]}" for f, q in self.segments())
+
+
+def _generated_rows(rows: int) -> bool | torch.Tensor | None:
+    """Which of a step's rows take the int8 kernel: those of generated tokens (True), not those
+    of prompt tokens (False), or a bool mask [rows] where a step holds both; None outside a step.
+
+    Why per row: the int8 activations and the float GEMM round differently, and with the path
+    chosen by the step's row count a token's logits depended on what else was batched with it
+    (benchmarks/load_disconnects.py, default GGUF, 64 concurrent: 232 of 899 greedy answers
+    differed from the same prompt served alone). Rows that are not one per token (the LM head's
+    sampled rows) are each a sampling position: the kernel, whatever the step holds."""
+    from flatserve.attention.metadata import _scope
+
+    meta = _scope.current
+    if meta is None:
+        return None
+    cu = meta.cu_seqlens_q_host
+    if rows != cu[-1]:
+        return True
+    if meta.prompt_lens_host is None:  # decode graphs: every token past its prompt
+        return True
+    mask = meta.derived.get("quant_generated_rows")
+    if mask is None:
+        flags: list[bool] = []
+        for s, (seq_len, prompt_len) in enumerate(zip(meta.seq_lens_host, meta.prompt_lens_host)):
+            q = cu[s + 1] - cu[s]
+            n_prompt = min(q, max(0, prompt_len - (seq_len - q)))  # this step's prompt tokens
+            flags += [False] * n_prompt + [True] * (q - n_prompt)
+        mask = all(flags) or (any(flags) and torch.tensor(flags))
+        meta.derived["quant_generated_rows"] = mask
+    return mask
 
 
 class QuantEmbedding(nn.Module):

@@ -151,3 +151,23 @@ def test_unknown_quantization_is_refused() -> None:
         EngineConfig.from_kwargs(quantization="int4")
     with pytest.raises(ValueError, match="exclude each other"):
         EngineConfig.from_kwargs(quantization="q8_0", dequantize=True)
+
+
+def test_a_tokens_answer_does_not_depend_on_what_shares_its_step(tiny_checkpoint) -> None:
+    """Quantized linears pick the int8 kernel or the float GEMM per row (generated tokens or
+    prompt tokens), not by the step's size: 40 prompts at once (40 decode rows a step, prompt
+    chunks beside them) give each prompt the greedy answer it gets alone."""
+    from flatserve import LLM, SamplingParams
+
+    _, path, _ = tiny_checkpoint
+    llm = LLM(model=str(path), device="cpu", dtype="float32", quantization="q8_0",
+              max_num_batched_tokens=128, max_model_len=512, enable_prefix_caching=False)
+    if quant.kernel() is None:
+        pytest.skip("the C++ quant kernel did not build here")
+    rng = random.Random()
+    prompts = [[rng.randrange(4, 512) for _ in range(rng.randint(3, 60))] for _ in range(40)]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for i in rng.sample(range(40), 6):
+        alone = llm.generate([{"prompt_token_ids": prompts[i]}], sp, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == together[i].outputs[0].token_ids, i

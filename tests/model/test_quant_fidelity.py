@@ -3,8 +3,8 @@ path (8-bit activations, the weights' blocks read in place) against the same wei
 to fp32 through the torch reference: top-1 agreement >= 99% and mean KL <= 0.01 nats/token.
 
 For the default GGUF (its stored Q4_K_M mix) on real text, and for a random-weight model whose
-linears are quantized to each block format. The whole forward takes the decode kernel
-(PROMPT_ROWS raised), since that is the path whose activations are quantized."""
+linears are quantized to each block format. The whole forward takes the int8 kernel
+(every row as a generated token's), since that is the path whose activations are quantized."""
 from __future__ import annotations
 
 import contextlib
@@ -30,14 +30,14 @@ pytestmark = pytest.mark.skipif(quant.kernel() is None, reason="the C++ quant ke
 def _path(model: torch.nn.Module, kernel: bool) -> Iterator[None]:
     """kernel: every call on the 8-bit decode kernel; else the fp32 torch reference."""
     lins = [m for m in model.modules() if isinstance(m, quant.QuantLinear)]
-    old = quant.PROMPT_ROWS
-    quant.PROMPT_ROWS = 1 << 30 if kernel else old
-    for m in lins:
+    old = quant._generated_rows
+    quant._generated_rows = lambda rows: True  # every row on the int8 kernel (teacher forcing
+    for m in lins:                             # feeds the text as one prompt)
         m.use_kernel = kernel
     try:
         yield
     finally:
-        quant.PROMPT_ROWS = old
+        quant._generated_rows = old
         for m in lins:
             m.use_kernel = True
 
