@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,7 +71,6 @@ def iter_gguf_weights(path: Path, n_head: int, n_kv_head: int, keep_quantized: b
     format come as their bytes (uint8 [rows, row_bytes]) and every other quantized type is
     dequantized, named once in a log line."""
     import gguf
-    from gguf.quants import dequantize
 
     from flatserve.model.qformats import BY_GGML
 

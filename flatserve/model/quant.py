@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-
 from typing import Any
 
 import torch
