@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from flatserve import device as dev
+from flatserve.attention import metadata
 from flatserve.kernels import CpuKernel
 from flatserve.model.qformats import FORMATS, Format, dequantize, quantize
 
@@ -200,9 +201,7 @@ def _generated_rows(rows: int) -> bool | torch.Tensor | None:
     (benchmarks/load_disconnects.py, default GGUF, 64 concurrent: 232 of 899 greedy answers
     differed from the same prompt served alone). Rows that are not one per token (the LM head's
     sampled rows) are each a sampling position: the kernel, whatever the step holds."""
-    from flatserve.attention.metadata import _scope
-
-    meta = _scope.current
+    meta = metadata._scope.current
     if meta is None:
         return None
     cu = meta.cu_seqlens_q_host
