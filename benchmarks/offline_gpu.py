@@ -2,7 +2,7 @@
 batching (`generate_batch`, paged|sdpa) as the peer, each in its own subprocess of one run.
 
     PYTHONPATH=. python3 benchmarks/offline_gpu.py --shape qwen3-0.6b --prompts 500 --input 512 --output 128
-    PYTHONPATH=. python3 benchmarks/offline_gpu.py --shape qwen3-30b-a3b   # MoE (also gpt-oss-20b)
+    PYTHONPATH=. python3 benchmarks/offline_gpu.py --shape qwen3-30b-a3b --load-format dummy  # MoE (also gpt-oss-20b)
 
 Runtime (estimate, not timed): a few minutes on one H100/H200 for the default 500 x 512/128 with
 both engines (transformers' generate_batch takes most of it; flatserve alone well under one);
@@ -30,7 +30,7 @@ def run_flatserve(a: argparse.Namespace) -> dict:
     llm = LLM(model=a.ckpt, dtype="bfloat16", max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.input + a.output + 16,
               enforce_eager=a.enforce_eager, fused_ops=a.fused_ops,
-              async_scheduling=a.async_scheduling)
+              async_scheduling=a.async_scheduling, load_format=a.load_format)
     vocab = llm.engine.state.model.vocab_size
     ps = prompts(a.prompts, a.input, vocab)
     params = SamplingParams(max_tokens=a.output, temperature=0, ignore_eos=True)
@@ -89,8 +89,16 @@ def run_hf(a: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.bfloat16,
-                                                 attn_implementation=a.hf_attn).cuda().eval()
+    if a.load_format == "dummy":  # config only: random weights drawn on the GPU
+        from transformers import AutoConfig
+
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(a.ckpt), dtype=torch.bfloat16,
+                                                     attn_implementation=a.hf_attn).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.bfloat16,
+                                                     attn_implementation=a.hf_attn).cuda().eval()
     ps = prompts(a.prompts, a.input, model.config.vocab_size)
     cfg = GenerationConfig(max_new_tokens=a.output, min_new_tokens=a.output, do_sample=False,
                            eos_token_id=-1, pad_token_id=0)
@@ -120,6 +128,9 @@ def main() -> None:
     ap.add_argument("--engines", default="flatserve,transformers")
     ap.add_argument("--hf-attn", default=None, help="transformers' attn_implementation (default "
                     "paged|sdpa; paged|eager for gpt-oss, whose sinks SDPA does not take)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights drawn by each engine from the config alone (no "
+                         "checkpoint written: the MoE shapes are 42-61 GB in bf16)")
     ap.add_argument("--child", default=None)
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--out", default="bench_out/offline_gpu.json")
@@ -133,14 +144,16 @@ def main() -> None:
     if a.ckpt is None:
         from flatserve.bench.random_ckpt import build
 
-        a.ckpt = str(build(a.shape, Path("/tmp/ckpt") / a.shape))
+        dummy = a.load_format == "dummy"
+        a.ckpt = str(build(a.shape, Path("/tmp/ckpt") / (a.shape + "-config" * dummy), weights=not dummy))
     rows = []
     for eng in a.engines.split(","):
         cmd = [sys.executable, __file__, "--child", eng, "--ckpt", a.ckpt] + [
             f"--{k}={v}" for k, v in (("prompts", a.prompts), ("input", a.input), ("output", a.output),
                                       ("max-num-seqs", a.max_num_seqs),
                                       ("max-num-batched-tokens", a.max_num_batched_tokens),
-                                      ("fused-ops", a.fused_ops), ("hf-attn", a.hf_attn))
+                                      ("fused-ops", a.fused_ops), ("hf-attn", a.hf_attn),
+                                      ("load-format", a.load_format))
             if v is not None] + (["--enforce-eager"] * a.enforce_eager) + (
             [] if a.async_scheduling is None else
             ["--async-scheduling" if a.async_scheduling else "--no-async-scheduling"])

@@ -131,9 +131,13 @@ def _ragged_greedy(llm, vocab: int) -> list[list[int]]:
 
 
 def _checkout(rev: str) -> str:
-    """`rev` of this repository as a plain tree in a tmp dir (the baseline imports from it)."""
-    d = tempfile.mkdtemp(prefix=f"flatserve-{rev}-")
-    arch = subprocess.run(["git", "archive", rev], capture_output=True, check=True).stdout
+    """`rev` of this repository as a plain tree in a tmp dir (the baseline imports from it).
+    `rev` may also be a `git archive` tar file: a device machine gets the tree without .git."""
+    d = tempfile.mkdtemp(prefix="flatserve-base-")
+    if os.path.isfile(rev):
+        arch = Path(rev).read_bytes()
+    else:
+        arch = subprocess.run(["git", "archive", rev], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", d], input=arch, check=True)
     return d
 
@@ -148,7 +152,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--layouts", default="base,tp1,tp2,dp2")
-    p.add_argument("--base-rev", default="main")
+    p.add_argument("--base-rev", default="main", help="a revision, or a `git archive` tar of one")
     p.add_argument("--ckpt-dir", default="/tmp/ckpt")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # one subprocess's layout

@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["q8_0", "q4_0", "int8"], default=None,
                    help="float checkpoints: keep the weights in a GGUF block format (int8 = q8_0; "
                         "a quarter / an eighth of fp32's bytes)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights from the model's config.json alone (speed runs; "
+                        "its answers mean nothing)")
     p.add_argument("--dequantize", action="store_true",
                    help="GGUF: dequantize every tensor to --dtype at load (default: the stored "
                         "block formats are served in place)")
@@ -83,7 +86,7 @@ def engine_config(a: argparse.Namespace, positional_model: str | None = None) ->
         num_gpu_blocks_override=a.num_gpu_blocks_override, os_reserve_gb=a.os_reserve_gb,
         gpu_memory_utilization=a.gpu_memory_utilization,
         enable_prefix_caching=a.enable_prefix_caching, enforce_eager=a.enforce_eager,
-        fused_ops=a.fused_ops, quantization=a.quantization, dequantize=a.dequantize, cpu_gemm=a.cpu_gemm,
+        fused_ops=a.fused_ops, quantization=a.quantization, dequantize=a.dequantize, load_format=a.load_format, cpu_gemm=a.cpu_gemm,
         copy_tied_lm_head=a.copy_tied_lm_head, greedy_int8_head=a.greedy_int8_head,
         async_scheduling=a.async_scheduling, seed=a.seed, chat_template=a.chat_template,
         speculative_method=a.speculative_method,

@@ -38,6 +38,9 @@ class EngineConfig:
     # (flatserve/model/quant.py). GGUF files keep their stored formats unless `dequantize`.
     quantization: str | None = None
     dequantize: bool = False  # GGUF: dequantize every tensor to `dtype` at load (the dense path)
+    # auto: the checkpoint's weights | dummy: random weights from config.json alone (vLLM's name),
+    # for speed runs at real sizes without writing the files (a 30B MoE is 61 GB in bf16).
+    load_format: str = "auto"
     # CPU bf16 linears: auto | amx (our AMX kernel, flatserve/model/amx.py) | onednn (pre-packed
     # weights, flatserve/model/onednn.py) | torch. auto: amx, else onednn, else torch.
     cpu_gemm: str = "auto"
@@ -102,6 +105,8 @@ class EngineConfig:
                              f"{self.quantization!r}")
         if self.quantization and self.dequantize:
             raise ValueError("quantization and dequantize exclude each other")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.cpu_gemm not in ("auto", "amx", "onednn", "avx2", "torch"):
             raise ValueError(f"cpu_gemm must be auto, amx, onednn, avx2 or torch, got {self.cpu_gemm!r}")
         self._validate_parallel()

@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--fused-ops", default="auto")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel table per batch")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights from the config alone (no checkpoint written)")
     ap.add_argument("--out", default="bench_out/step_breakdown.json")
     a = ap.parse_args()
     import torch
@@ -138,11 +140,12 @@ def main() -> None:
     if a.ckpt is None:
         from flatserve.bench.random_ckpt import build
 
-        a.ckpt = str(build(a.shape, Path("/tmp/ckpt") / a.shape))
+        dummy = a.load_format == "dummy"
+        a.ckpt = str(build(a.shape, Path("/tmp/ckpt") / (a.shape + "-config" * dummy), weights=not dummy))
     batches = [int(b) for b in a.batch.split(",")]
     llm = LLM(model=a.ckpt, dtype="bfloat16", max_num_seqs=max(batches), max_num_batched_tokens=32768,
               max_model_len=a.ctx + a.steps * 3 + 64, enforce_eager=a.enforce_eager, fused_ops=a.fused_ops,
-              async_scheduling=a.async_scheduling)
+              async_scheduling=a.async_scheduling, load_format=a.load_format)
     m = llm.engine.state.model
     weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     kv_per_tok = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2

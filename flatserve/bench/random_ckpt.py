@@ -53,7 +53,10 @@ def word_tokenizer(vocab_size: int) -> Any:
                                    unk_token="<unk>", pad_token="<pad>")
 
 
-def build(shape: str, out: Path, device: str = "cuda", std: float = 0.02, seed: int = 0) -> Path:
+def build(shape: str, out: Path, device: str = "cuda", std: float = 0.02, seed: int = 0,
+          weights: bool = True) -> Path:
+    """`weights` False: config.json and the tokenizer only, for `load_format="dummy"` (the
+    engine draws the weights itself; 61 GB of Qwen3-30B-A3B never touch the disk)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -62,6 +65,11 @@ def build(shape: str, out: Path, device: str = "cuda", std: float = 0.02, seed: 
     model_type = spec.pop("model_type", "qwen3" if arch.startswith("Qwen3") else "llama")
     cfg = AutoConfig.for_model(model_type, architectures=[arch], bos_token_id=1, eos_token_id=2,
                                pad_token_id=0, initializer_range=std, **spec)
+    if not weights:
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save_pretrained(out)
+        word_tokenizer(spec["vocab_size"]).save_pretrained(out)
+        return out
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)

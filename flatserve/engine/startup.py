@@ -198,7 +198,7 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
         probe = parallel.host_share(probe, tp)
         mcfg = parallel.local_config(mcfg, tp.size)  # this rank's heads: its KV pool, its budget
         shard = functools.partial(parallel.shard_model, g=tp)
-    model, weights = _load_weights(src, hf, full, dtype, device, shard, keep)
+    model, weights = _load_weights(src, hf, full, dtype, device, shard, keep, cfg.load_format == "dummy")
     if cfg.quantization:
         weights = _quantize(model, device, cfg.quantization)
     if gemm != "torch":
@@ -309,9 +309,9 @@ def _tensor_bytes(model: torch.nn.Module) -> int:
 
 def _load_weights(src: ModelSource, hf: Any, mcfg: ModelConfig, dtype: torch.dtype,
                   device: torch.device, shard: Any = None,
-                  keep_quantized: bool = False) -> tuple[torch.nn.Module, int]:
+                  keep_quantized: bool = False, dummy: bool = False) -> tuple[torch.nn.Module, int]:
     before = dev.process_rss() if device.type != "cuda" else 0
-    model = build_model(src, hf, mcfg, dtype, device, shard, keep_quantized)
+    model = build_model(src, hf, mcfg, dtype, device, shard, keep_quantized and not dummy, dummy)
     dev.release_freed_memory(device)
     weights = _tensor_bytes(model)
     if device.type != "cuda":  # what loading really left resident (allocator slack included)

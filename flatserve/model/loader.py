@@ -282,16 +282,17 @@ def _iter_safetensors_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch.dtype,
                 device: torch.device, shard: Callable[[nn.Module], None] | None = None,
-                keep_quantized: bool = False) -> nn.Module:
+                keep_quantized: bool = False, dummy: bool = False) -> nn.Module:
     """`shard` (tensor parallelism) swaps in this rank's layers while they are still on meta;
-    `keep_quantized`: a GGUF's block-format tensors stay as stored (model/quant.py)."""
+    `keep_quantized`: a GGUF's block-format tensors stay as stored (model/quant.py); `dummy`:
+    random weights (init_dummy), no checkpoint file read."""
     from flatserve.model import gptq
     from flatserve.model.qformats import FORMATS
     from flatserve.model.quant import swap_linears
 
     cls = get_model_class(cfg.architecture)
     quantized = src.is_gguf and keep_quantized
-    qc = None if src.is_gguf else gptq.config(hf_config)
+    qc = None if src.is_gguf or dummy else gptq.config(hf_config)
     with torch.device("meta"):
         model = cls(cfg)
         # The linears become QuantLinears before any dense weight exists.
@@ -309,6 +310,9 @@ def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
     share_rope_tables(model)
+    if dummy:
+        init_dummy(model)
+        return model.eval()
     if src.is_gguf:
         weights = _gguf_weights_cached(src, cfg, quantized)
     else:
@@ -327,3 +331,19 @@ def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch
             if t.numel():
                 t.data.view(-1)[:: max(1, 4096 // t.element_size())].sum()
     return model.eval()
+
+
+@torch.no_grad()
+def init_dummy(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """--load-format dummy: every matrix N(0, std) (a trained model's scale), norm weights 1,
+    biases and attention sinks 0. Same seed on every rank; nothing is meant to be right."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue
+        if name.endswith("bias") or name.endswith("sinks"):
+            p.zero_()
+        elif p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=gen)
