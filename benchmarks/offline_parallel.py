@@ -31,7 +31,20 @@ from pathlib import Path
 
 sys.path.insert(0, ".")
 
-from flatserve.bench.gpu import decode_step_ms  # noqa: E402
+
+def _own_gpu_helpers():
+    """flatserve/bench/gpu.py of *this* tree: the base layout imports the engine from an older
+    checkout (PYTHONPATH), whose helpers may predate what this script calls."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_bench_gpu", Path(__file__).resolve().parents[1] / "flatserve/bench/gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+decode_step_ms = _own_gpu_helpers().decode_step_ms
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -12,6 +12,10 @@ PY=${PY:-python3}
 need="gguf fastapi uvicorn prometheus-client pydantic httpx pytest hypothesis openai psutil xgrammar jsonschema pytest-xdist ninja"
 if [ -d .whl ]; then
   $PY -m pip install -q --no-index --find-links .whl $need 2>&1 | grep -v -i warning | tail -3
+  # The transformers the CPU suite runs (pyproject's floor): the parity tests compare against it,
+  # and older ones lack what the GGUF and GPT-OSS paths read. Its own needs are on the image.
+  ls .whl/transformers-*.whl >/dev/null 2>&1 &&
+    $PY -m pip install -q --no-index --no-deps .whl/transformers-*.whl 2>&1 | grep -v -i warning | tail -3
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

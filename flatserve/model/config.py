@@ -143,7 +143,9 @@ def _moe_for(text: Any, n_layers: int) -> MoeConfig | None:
             num_experts=text.num_local_experts, top_k=text.num_experts_per_tok,
             intermediate_size=text.intermediate_size, sparse_layers=(True,) * n_layers,
             router="topk_softmax", router_bias=True, expert_bias=True,
-            swiglu_limit=float(text.swiglu_limit), swiglu_alpha=float(text.swiglu_alpha))
+            # transformers' GPT-OSS constants where a config predates the fields
+            swiglu_limit=float(getattr(text, "swiglu_limit", 7.0)),
+            swiglu_alpha=float(getattr(text, "swiglu_alpha", 1.702)))
     n = getattr(text, "num_experts", 0) or 0
     if not n or not hasattr(text, "moe_intermediate_size"):
         return None

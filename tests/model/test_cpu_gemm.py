@@ -57,8 +57,8 @@ def test_auto_picks_the_first_path_that_runs(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("gemm", ["onednn", "amx", "avx2"])
-def test_packed_path_refused_where_it_cannot_apply(gemm) -> None:
+def test_packed_path_refused_where_it_cannot_apply(gemm, default_model_path) -> None:
     from flatserve import LLM
 
     with pytest.raises(ValueError, match=f"cpu_gemm '{gemm}' needs"):
-        LLM(device="cpu", model=None, dtype="float32", cpu_gemm=gemm)
+        LLM(device="cpu", model=str(default_model_path), dtype="float32", cpu_gemm=gemm)
