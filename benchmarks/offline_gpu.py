@@ -161,6 +161,8 @@ def main() -> None:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
             line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
             row = json.loads(line[0][7:]) if line else {"error": r.stderr[-1500:]}
+            if line and not row.get("out_tokens"):  # e.g. generate_batch returning nothing
+                row["error"] = "no output tokens: " + r.stderr[-1500:]
         except subprocess.TimeoutExpired:
             row = {"error": f"did not finish within {a.timeout} s"}
         row["engine"] = eng

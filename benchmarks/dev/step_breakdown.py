@@ -103,6 +103,44 @@ def measure(llm, batch: int, ctx: int, steps: int, profile: bool = False) -> dic
     return med
 
 
+def prefill_step(llm, tokens: int, ctx: int, profile: bool) -> dict:
+    """One prompt step of `tokens` tokens (prompts of `ctx` each, all scheduled at once): the
+    forward's CUDA-event time (median of 3 runs of the same packed batch) and, with `profile`,
+    its kernels. The offline workloads' prompt phase is such steps back to back."""
+    import torch
+
+    from flatserve import SamplingParams
+    from flatserve.bench.gpu import prompts
+    from flatserve.runner import build_flat_batch
+
+    eng, runner = llm.engine, llm.engine.runner
+    for p in prompts(max(1, tokens // ctx), ctx, eng.state.model.vocab_size, seed=3):
+        eng.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+    out = eng.scheduler.schedule()
+    fb = build_flat_batch(out, runner.block_size, runner.device)
+    n = sum(s.num_tokens for s in out.scheduled)
+    times = []
+    for _ in range(4):  # the first compiles Triton's shapes for this size
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        runner.forward_logits(fb)
+        ev1.record()
+        torch.cuda.synchronize()
+        times.append(ev0.elapsed_time(ev1))
+    ms = sorted(times[1:])[1]
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof_ctx
+
+        with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.forward_logits(fb)
+            torch.cuda.synchronize()
+        print(f"-- GPU kernels of one prompt step of {n} tokens:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    for rid in list(eng.parents):
+        eng.abort(rid)
+    return {"prefill_tokens": n, "prefill_ms": ms, "prefill_tok_per_s": n / ms * 1e3}
+
+
 def kernel_profile(runner, eng, build_flat_batch) -> str:
     """torch.profiler table of the kernels inside 5 forwards (graph replays keep their kernels)."""
     import torch
@@ -129,6 +167,8 @@ def main() -> None:
     ap.add_argument("--fused-ops", default="auto")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel table per batch")
+    ap.add_argument("--prefill", type=int, default=0, help="also time one prompt step of this "
+                    "many tokens (prompts of --ctx tokens), profiled with --profile")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="dummy: random weights from the config alone (no checkpoint written)")
     ap.add_argument("--out", default="bench_out/step_breakdown.json")
@@ -163,6 +203,9 @@ def main() -> None:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
     res = {"shape": a.shape, "gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9,
            "weights_GB": weights / 1e9, "args": vars(a), "rows": rows}
+    if a.prefill:
+        res["prefill"] = prefill_step(llm, a.prefill, a.ctx, a.profile)
+        print(json.dumps(res["prefill"]), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -46,11 +46,11 @@ def test_apply_bitmask_matches_per_token_reference(device: str, impl: str) -> No
 
 
 @pytest.fixture(scope="module")
-def cache() -> GrammarCache:
+def cache(default_model_path) -> GrammarCache:
     from flatserve.engine.startup import load_tokenizer
     from flatserve.model.loader import resolve_model
 
-    tok = load_tokenizer(resolve_model(None), None)
+    tok = load_tokenizer(resolve_model(str(default_model_path)), None)
     eos = [tok.eos_token_id]
     c = GrammarCache(tok, 262144, eos)
     yield c

@@ -16,7 +16,10 @@ import pytest
 from flatserve.bench.serve import wait_healthy
 
 # No C++ kernels (nor their first-start build): the robustness tests exercise the server.
-FAST = ["--attention-backend", "torch", "--fused-ops", "none", "--cpu-gemm", "torch", "--enforce-eager"]
+# CPU tests pin the CPU: on a GPU machine a server on `auto` would claim 90% of a card other
+# workers' tests share (and be refused).
+FAST = ["--device", "cpu", "--attention-backend", "torch", "--fused-ops", "none", "--cpu-gemm", "torch",
+        "--enforce-eager"]
 
 
 NO_CPP = """
