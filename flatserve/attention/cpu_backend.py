@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from flatserve import device as dev
-from flatserve.kernels import CpuKernel
+from flatserve.kernel_build import CpuKernel
 from flatserve.attention.base import LayerAttnParams
 from flatserve.attention.metadata import AttentionMetadata
 from flatserve.attention.torch_backend import attend_seqs, paged_attention_ref, write_kv

@@ -25,13 +25,6 @@ from flatserve.distributed.worker import encode_step, pin_cpu_threads, worker_ma
 log = logging.getLogger("flatserve")
 
 
-def topology(cfg: EngineConfig, port: int | None = None) -> Topology:
-    t = Topology(cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr,
-                 cfg.master_port if port is None else port, cfg.dist_timeout_s)
-    t.validate()
-    return t
-
-
 def rank_device(cfg: EngineConfig, rank: int, topo: Topology) -> torch.device:
     """CUDA: one device per local rank, counted from the configured one; CPU: the CPU."""
     base = dev.select_device(cfg.device)
@@ -106,7 +99,7 @@ class TPExecutor:
     def __init__(self, cfg: EngineConfig) -> None:
         from flatserve.engine.startup import start_up
 
-        topo = topology(cfg)
+        topo = Topology.of(cfg)
         if cfg.node_rank != 0:
             raise ValueError("the engine runs on node 0; other nodes run `flatserve serve` with "
                              "their --node-rank, which starts only their ranks")
@@ -182,7 +175,7 @@ def run_node(cfg: EngineConfig) -> int:
     """A node other than 0 (`--node-rank k`): start this host's ranks and wait for them."""
     import signal
 
-    topo = topology(cfg)
+    topo = Topology.of(cfg)
     workers = Workers(cfg, topo, list(topo.local_ranks))
     workers.closing = True  # exits are reported through wait(), not the watchdog
     signal.signal(signal.SIGTERM, lambda *a: workers.stop(timeout=0.0))

@@ -15,6 +15,7 @@ import pickle
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,14 @@ class Topology:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: rank 0 picks a free port (one host only)
     timeout_s: float = 300.0  # rendezvous: every rank must join within this
+
+    @classmethod
+    def of(cls, cfg: Any, port: int | None = None) -> Topology:
+        """The topology an EngineConfig asks for, checked; `port` overrides its master_port."""
+        t = cls(cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr,
+                cfg.master_port if port is None else port, cfg.dist_timeout_s)
+        t.validate()
+        return t
 
     @property
     def local_size(self) -> int:

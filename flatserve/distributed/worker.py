@@ -103,11 +103,10 @@ def worker_main(cfg: Any, rank: int, port: int, device: str, conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s")
     _exit_with_parent(conn)
-    from flatserve.distributed.executor import topology
-    from flatserve.distributed.group import TPGroup, open_store
+    from flatserve.distributed.group import Topology, TPGroup, open_store
     from flatserve.engine.startup import start_up
 
-    topo = topology(cfg, port)
+    topo = Topology.of(cfg, port)
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from flatserve import device as dev
-from flatserve.kernels import CpuKernel
+from flatserve.kernel_build import CpuKernel
 from flatserve.model import onednn
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "amx_gemm_cpu.cpp"

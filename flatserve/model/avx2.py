@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from flatserve import device as dev
-from flatserve.kernels import CpuKernel
+from flatserve.kernel_build import CpuKernel
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "avx2_gemm_cpu.cpp"
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flatserve.kernels import CpuKernel
+from flatserve.kernel_build import CpuKernel
 from flatserve.attention.metadata import current_metadata
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "decoder_stack_cpu.cpp"

@@ -25,7 +25,7 @@ from torch import nn
 
 from flatserve import device as dev
 from flatserve.attention import metadata
-from flatserve.kernels import CpuKernel
+from flatserve.kernel_build import CpuKernel
 from flatserve.model.qformats import FORMATS, Format, dequantize, quantize
 
 log = logging.getLogger("flatserve")
@@ -41,6 +41,7 @@ SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
 # Generated tokens' rows take the int8 kernel (_generated_rows).
 PROMPT_ROWS = 32
 DENSE_ROWS = 256
+MIN_GEMM_ROWS = 16  # the float GEMM pads fewer rows to this: see reference()
 # int8 passes per activation: pass p + 1 codes what passes 0..p missed, and the GEMM sums each
 # row's passes (ops/csrc/quant_gemm_cpu.cpp). One pass, llama.cpp's q8 activations, left 0.54%
 # relative error per linear (random x, K 768) and 95.9% teacher-forced top-1 agreement on the
@@ -168,6 +169,13 @@ class QuantLinear(nn.Module):
         """Dequantize slices of rows (SLICE_BYTES of fp32 in torch; DENSE_ROWS with the C++
         kernel, the same bits) and run the dense matmul in x's dtype."""
         out_dtype = x.dtype
+        rows = x.shape[0] if x.dim() == 2 else None
+        if x.device.type == "cpu" and rows is not None and rows < MIN_GEMM_ROWS:
+            # torch's CPU matmul takes other kernels for a few rows: on the 2-core EPYC (MKL) the
+            # rows of M = 1-3, 5-7 and 9-11 differ in their last bits from the same rows in a
+            # larger M, so a prompt's logits depended on what shared its step (a short prompt, or
+            # a prompt's tail after a prefix-cache hit). Zero rows up to MIN_GEMM_ROWS: one path.
+            return self.reference(torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])]), ext)[:rows]
         if x.device.type == "cpu" and x.dtype != torch.float32 and not dev.cpu_has_fast_bf16():
             # No native bf16 (AVX2): torch emulates 16-bit matmuls. Gemma 3 270M's start-up (2,048-
             # token chunks) spent 0.37 s a call here in bf16, 0.06 s in fp32 (2-core EPYC, cProfile).

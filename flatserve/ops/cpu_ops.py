@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from flatserve.kernels import CpuKernel
+from flatserve.kernel_build import CpuKernel
 
 _SRC = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
 ACTS = ("silu", "gelu_pytorch_tanh")

@@ -120,6 +120,6 @@ def test_config_refuses_what_tp_does_not_support() -> None:
     with pytest.raises(ValueError, match="speculative decoding is not supported"):
         EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_method="ngram")
     with pytest.raises(ValueError, match="positive multiple of nnodes"):
-        from flatserve.distributed.executor import topology
+        from flatserve.distributed.group import Topology
 
-        topology(EngineConfig.from_kwargs(tensor_parallel_size=3, nnodes=2, master_port=1))
+        Topology.of(EngineConfig.from_kwargs(tensor_parallel_size=3, nnodes=2, master_port=1))

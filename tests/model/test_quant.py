@@ -182,3 +182,27 @@ def test_each_row_takes_its_path_whatever_shares_the_step() -> None:
             pre = lin(x[1:])
     assert torch.equal(mixed[:1], dec) and torch.equal(mixed[1:], pre)
     assert not torch.equal(dec, lin.reference(x[:1]))  # the two paths do differ
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0"])
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(name) -> None:
+    """Each path row by row: a row's int8 codes and outputs, and its float-GEMM output, are the
+    same bits whatever the call's row count or the row's place in it. Both failed before
+    2026-11-26: quantize_act's threaded copy (M > 16) contracted the residual into an FMA that
+    the inlined copy (M <= 16) did not, and torch's CPU matmul takes other kernels for a few rows
+    (M = 1-3, 5-7, 9-11 on an AVX2 EPYC with MKL)."""
+    lin, _ = _lin({"": (64, name)}, 512, seed=random.randrange(1 << 20))
+    x = torch.randn(72, 512).bfloat16()
+    ext = quant.kernel()
+    full_codes = ext.quantize_act(x[:40].contiguous(), quant.ACT_PASSES)
+    full_int8, full_float = lin._int8(ext, x), lin.reference(x, ext)
+    for m in random.sample(range(1, 31), 8) + [1, 16, 17]:
+        codes = ext.quantize_act(x[:m].contiguous(), quant.ACT_PASSES)
+        rows = m * quant.ACT_PASSES
+        assert all(torch.equal(a, b[:rows]) for a, b in zip(codes, full_codes)), m
+        assert torch.equal(lin._int8(ext, x[:m]), full_int8[:m]), m
+        off = random.randrange(1, 20)
+        assert torch.equal(lin._int8(ext, x[off:off + m]), full_int8[off:off + m]), (off, m)
+    for m in list(range(1, 13)) + random.sample(range(13, 72), 6):
+        assert torch.equal(lin.reference(x[:m], ext), full_float[:m]), m

@@ -358,27 +358,35 @@ inline void quantize_block(const float* v, int8_t* q, float* d, float* s) {
   *s = dd * static_cast<float>(sum);
 }
 
-// `passes` codes per row, interleaved (row m's pass p is row m * passes + p): pass p + 1 codes
-// what passes 0..p missed. The residual is v - d * q rounded as torch rounds it (no FMA), so
-// tests can rebuild it in torch bit for bit.
+// One row's `passes` codes (q, d, s point at its first pass; pass p is p rows further): pass
+// p + 1 codes what passes 0..p missed. The residual is v - d * q rounded as torch rounds it (no
+// FMA), so tests can rebuild it in torch bit for bit. A named, never-inlined function: the
+// attribute does not reach a lambda's body, and with the loop inside parallel_for's lambda the
+// inlined copy (M <= 16 rows, run on the caller) had no FMA while the threaded copy contracted
+// one: a row's codes depended on how many rows shared the call (a token's logits on its batch).
 template <typename T>
-__attribute__((optimize("fp-contract=off")))
+__attribute__((optimize("fp-contract=off"), noinline))
+void quantize_row(const T* x, int64_t K, int passes, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / 32;
+  float buf[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int l = 0; l < 32; ++l) buf[l] = static_cast<float>(x[32 * b + l]);
+    for (int pass = 0; pass < passes; ++pass) {
+      int8_t* o = q + pass * K + 32 * b;
+      quantize_block(buf, o, d + pass * nb + b, s + pass * nb + b);
+      const float dd = d[pass * nb + b];
+      for (int l = 0; l < 32; ++l) buf[l] = buf[l] - dd * static_cast<float>(o[l]);
+    }
+  }
+}
+
+// `passes` codes per row, interleaved (row m's pass p is row m * passes + p).
+template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int passes, int8_t* q, float* d, float* s) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    float buf[32];
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < nb; ++b) {
-        const T* p = x + m * K + 32 * b;
-        for (int l = 0; l < 32; ++l) buf[l] = static_cast<float>(p[l]);
-        for (int pass = 0; pass < passes; ++pass) {
-          const int64_t r = m * passes + pass;
-          int8_t* o = q + r * K + 32 * b;
-          quantize_block(buf, o, d + r * nb + b, s + r * nb + b);
-          const float dd = d[r * nb + b];
-          for (int l = 0; l < 32; ++l) buf[l] = buf[l] - dd * static_cast<float>(o[l]);
-        }
-      }
+      quantize_row(x + m * K, K, passes, q + m * passes * K, d + m * passes * nb, s + m * passes * nb);
   });
 }
 
