@@ -18,7 +18,7 @@ namespace flatserve::decode {
 // over their score loop, a few rows at a time, instead of all 16 KB (at Gemma's head of 256) at
 // once: a burst of 512 prefetches filled the core's line-fill buffers and stalled the scores
 // behind them. 18 layers of a captured 16-request decode step (scratch replay, ~11 MB read
-// between layers as the linears do): 9.1 -> 8.6 ms; `benchmarks/cpu_decode_ab.py --layers 18
+// between layers as the linears do): 9.1 -> 8.6 ms; `benchmarks/dev/cpu_decode_ab.py --layers 18
 // --sequential --cold`: 12.26 -> 11.52 ms full, 7.70 -> 7.31 windowed. `l2`: into L2 only.
 template <typename T>
 struct Ahead {

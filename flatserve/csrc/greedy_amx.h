@@ -33,7 +33,7 @@ namespace flatserve::greedy {
 // bound by more than the bf16 rounding of the logits cannot be, or tie with, the bf16 head's argmax.
 // Into L2, 40 KB ahead: of T0 at 4-16 KB and T1 at 16-80 KB, the best on the 262k x 640 head
 // (bf16 kernel, scratch runs), and with no prefetch the int8 stream read 6.4 against 5.9 ms.
-// Then into L1, 4 KB ahead, for the tile loads (benchmarks/cpu_greedy_ab.py, two runs: 6.58 ->
+// Then into L1, 4 KB ahead, for the tile loads (benchmarks/dev/cpu_greedy_ab.py, two runs: 6.58 ->
 // 6.31 and 6.36 -> 6.08 ms; 8 KB ahead 6.37 against 6.31).
 constexpr int64_t kGreedyPrefetch = 40 * 1024;
 constexpr int64_t kGreedyPrefetchL1 = 4 * 1024;
@@ -149,7 +149,7 @@ struct GreedyCheck {
 
 // A group's bound checks run a few rows per k step of the next group's tile products (4 of 10
 // steps at K = 640), as gemm_2x2's Spill does for its epilogue: run after each group, they
-// stalled the stream's reads (bf16 kernel, benchmarks/cpu_greedy_ab.py: 7.46 -> 6.80 ms).
+// stalled the stream's reads (bf16 kernel, benchmarks/dev/cpu_greedy_ab.py: 7.46 -> 6.80 ms).
 void greedy_rows(const uint8_t* wq, const float* s, const float* c, const float* xabs, const X8& x8,
                  int64_t M, int64_t K, int64_t g0, int64_t g1, GreedyPart& out) {
   const int64_t KS = (K + 63) / 64;

@@ -9,7 +9,7 @@
 // softcap, sliding window, sinks; output rounded to the cache dtype once). Runs of bf16 whose
 // rows x query heads fit one AMX tile (<= 16 vectors) take their scores on tiles (amx_scores2 in
 // csrc/decode_amx.h; one-row decodes too since commit 5ea2024, amx_scores_fit): at 4 rows x 4 heads
-// the vector FMAs, not the bytes, had set the pace (benchmarks/cpu_decode_ab.py --rows 4: 1.55
+// the vector FMAs, not the bytes, had set the pace (benchmarks/dev/cpu_decode_ab.py --rows 4: 1.55
 // -> 1.26 ms a full layer, 0.95 -> 0.77 windowed).
 // At Gemma's shape a decode is bound by these instructions, not by the bytes (18 layers' caches
 // from DRAM read in 0.39 ms by a plain stream against 0.66 ms for the kernel), so an earlier version
@@ -402,7 +402,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   for (const int64_t s : which) max_rows = std::max(max_rows, rows(s));
   // Most work first (context x rows), handed out one at a time: contexts are ragged (10..1,500
   // tokens in the CPU benchmark), and at::parallel_for's equal static halves left one core idle
-  // for much of a layer (one Gemma layer, 16 ragged decodes, benchmarks/cpu_decode_attention.py:
+  // for much of a layer (one Gemma layer, 16 ragged decodes, benchmarks/dev/cpu_decode_attention.py:
   // 1.55 -> 1.32 ms full attention, 0.86 -> 0.81 ms with the 512 window).
   std::vector<int64_t> order(S * m.hkv);  // (sequence, KV head) flattened
   for (int64_t w = 0; w < S * m.hkv; ++w) order[w] = which[w / m.hkv] * m.hkv + w % m.hkv;
@@ -485,7 +485,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 // k, v [T, Hkv, D] (rows may be strided, as views of the fused qkv output are; each row's
 // Hkv x D contiguous) -> caches [num_blocks, block_size, Hkv, D] at slot_mapping[T] (int64,
 // < 0 skipped), same dtype. One call for K and V: the two index_copy_ it replaces cost
-// ~1.0 ms of an 18-layer decode step at 16 requests (benchmarks/cpu_profile_step.py 16
+// ~1.0 ms of an 18-layer decode step at 16 requests (benchmarks/dev/cpu_profile_step.py 16
 // --by-kernel), almost all of it per-op overhead for 16 x 1 KB of data.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping) {

@@ -5,8 +5,8 @@
 // builds a [rows, keys] mask for chunks that continue a context (so a windowed chunk computes
 // about twice the scores it keeps), and torch's CPU flash kernel's speed is uneven across
 // lengths. At 16 concurrent requests that was ~40% of the prompt steps
-// (benchmarks/cpu_profile_step.py --prefill); this kernel against it per shape:
-// benchmarks/cpu_prefill_attention.py.
+// (benchmarks/dev/cpu_profile_step.py --prefill); this kernel against it per shape:
+// benchmarks/dev/cpu_prefill_attention.py.
 //
 // Two passes in one parallel region:
 // 1. Pack each (sequence, KV head)'s visible keys once: K as AMX B tiles of 16 keys x 32 head
@@ -147,7 +147,7 @@ inline __mmask16 lanes(int64_t c, int64_t a, int64_t b) {
 // max is taken over the raw scores (scale > 0 and rounding is monotonic: the same bits as the
 // max of the scaled ones), and exp(s scale - max) as 2^(s (scale log2 e) - max log2 e), one FMA;
 // vectors wholly inside [a, b) skip the mask. Row by row, without these, the softmax was ~1/3 of
-// the kernel (scratch runs with each phase left out); benchmarks/cpu_prefill_ab.py for the A/B.
+// the kernel (scratch runs with each phase left out); benchmarks/dev/cpu_prefill_ab.py for the A/B.
 template <int R>
 void softmax_rows(Scratch& w, int64_t m0, int64_t a, int64_t b, int64_t bk, const Geo& g) {
   if (a >= b) {
@@ -311,7 +311,7 @@ bool available() { return flatserve::amx_available(); }
 // seqs (int32, optional): only these sequences, their rows written into `out` (optional, q's
 // shape; its other rows untouched). A step that mixes decodes with prefill chunks sends each
 // kind to its kernel this way instead of gathering q's rows and scattering the outputs (index +
-// index_put: ~0.1 s of 1.8 s of prompt steps at 16 requests, benchmarks/cpu_profile_step.py).
+// index_put: ~0.1 s of 1.8 s of prompt steps at 16 requests, benchmarks/dev/cpu_profile_step.py).
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const at::Tensor& cu_seqlens_q, double scale, int64_t window,

@@ -3,7 +3,7 @@
 // Why: a CPU decode step is a weight read. oneDNN's pre-packed path read Gemma 3's 262k x 640 LM
 // head at ~60% of this box's copy rate, and its per-call overhead doubled the time of the small
 // per-layer linears (1-5 MB). This kernel streams each weight exactly once for M <= 32 rows, with
-// a software prefetch two k-steps ahead. Measured A/B against oneDNN: benchmarks/cpu_gemv.py.
+// a software prefetch two k-steps ahead. Measured A/B against oneDNN: benchmarks/dev/cpu_gemv.py.
 //
 // Packed layout [N/64][K/32][4][16][16][2]: for a group of 64 output columns, each 32-wide k step
 // is four 1 KB B tiles in AMX's pair-interleaved (VNNI) form, so a group's panel is one
@@ -77,7 +77,7 @@ struct Problem {  // one call: x [M(padded), K], W packed, bias [N] or null, y [
 // A 1 x 4 unit's C tiles (one row block x 64 columns), spilled, and the epilogue rows of them
 // still to store; gemm_1x4 stores them during the next unit's k loop (as gemm_2x2's Spill).
 // Not two of those Spills (one row block each, half their buffer unused): that ran 18 layers of
-// decode linears 0.98x, three runs of benchmarks/cpu_layer_ab.py --rows 16.
+// decode linears 0.98x, three runs of benchmarks/dev/cpu_layer_ab.py --rows 16.
 struct Spill4 {
   alignas(64) float c[4][16][16];
   int64_t row0 = 0, col = 0;
@@ -101,7 +101,7 @@ inline void spill4_rows(const Problem& p, Spill4& s, int upto) {
 // Up to 2 row blocks: 1 x 4 tiles (C0..C3 one row block x 64 columns); the weight panel is read
 // from memory once and, for a second row block, again from L2 (80 KB at K = 640). Each unit's
 // rows are stored during the next unit's k loop, one or more a step, instead of after its own:
-// Gemma's 18 layers of decode linears at 16 rows (benchmarks/cpu_layer_ab.py --rows 16, two
+// Gemma's 18 layers of decode linears at 16 rows (benchmarks/dev/cpu_layer_ab.py --rows 16, two
 // runs) 6.9 -> 6.7 and 6.7 -> 6.6 ms.
 void gemm_1x4(const Problem& p, int64_t g0, int64_t g1) {
   const int64_t M = p.M, K = p.K, KB = K / 32;
@@ -170,7 +170,7 @@ inline void spill_rows(const Problem& p, Spill& s, int upto) {
 // B tiles load with the streaming hint (TILELOADDT1): a unit's B (40 KB at K = 640) is used
 // once per row slab, while the slab's A rows (also 40 KB) serve every unit of the block; with
 // plain loads the B lines evicted A from the 48 KB L1 each unit (least recently used), and
-// both came from L2, 4 KB per 4 tile products. benchmarks/cpu_gemm_ab.py, 2,048 rows (two
+// both came from L2, 4 KB per 4 tile products. benchmarks/dev/cpu_gemm_ab.py, 2,048 rows (two
 // runs): gate_up 1.17x, qkv 1.20-1.25x, o 1.10-1.12x, down (K = 2,048: A 128 KB, no fit) 1.04x;
 // cpu_layer_ab.py (18 layers with the norms) 172.8 -> 161.0 ms.
 // The thread's columns go in blocks of about 768 KB of weight, which stay in L2 while slabs of
@@ -223,7 +223,7 @@ void gemm_2x2(const Problem& p, int64_t g0, int64_t g1, int64_t slab) {
 // only its own rows of x (2.6-8 MB at 2,048 rows), and the norms that follow, which split rows
 // the same way (at::parallel_for's equal ranges), find their rows in their own core's caches
 // instead of half of each row in the other core's L2. Gemma's 18 layers of linears and norm
-// pairs (benchmarks/cpu_layer_ab.py --rev c3b7fb3, 2 threads): 187.5 -> 174.8 ms at 2,048 rows,
+// pairs (benchmarks/dev/cpu_layer_ab.py --rev c3b7fb3, 2 threads): 187.5 -> 174.8 ms at 2,048 rows,
 // 96.0 -> 92.5 at 1,024. The GEMMs alone gain ~3% at 2,048 rows and lose below 1,024 (0.89x at
 // 256; scratch sweep). The bar is per thread, so that a many-core machine does not hand each
 // thread a sliver of rows that streams the whole weight for little work (not measured there).
@@ -418,7 +418,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_packed, cons
   // Whole 64-column groups per thread: each thread streams one contiguous slice of the weight.
   at::parallel_for(0, N / 64, 1, [&](int64_t g0, int64_t g1) {
     flatserve::load_tile_config();
-    // benchmarks/cpu_gemm_ab.py: slabs of 2 blocks up to 1.2x on 2,048 rows; verify rows (<= 64)
+    // benchmarks/dev/cpu_gemm_ab.py: slabs of 2 blocks up to 1.2x on 2,048 rows; verify rows (<= 64)
     // keep one slab (0.85x with 2).
     if (wide) gemm_2x2(p, g0, g1, M > 64 ? 2 : 4);
     else gemm_1x4(p, g0, g1);

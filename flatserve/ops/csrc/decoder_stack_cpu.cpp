@@ -2,7 +2,7 @@
 //
 // Why: at 16 decodes a Gemma 3 270M step is ~200 kernel calls of 5-150 us each, and the Python
 // between them (module calls, views, argument conversion, one output tensor per call) took
-// ~17% of the main thread in a perf profile of decode steps (benchmarks/cpu_profile_step.py).
+// ~17% of the main thread in a perf profile of decode steps (benchmarks/dev/cpu_profile_step.py).
 // Here the same kernels run in the same order through torch's dispatcher, where each
 // registered itself under its module's name (TORCH_LIBRARY_FRAGMENT in amx_gemm_cpu.cpp,
 // fused_cpu.cpp and paged_decode_cpu.cpp), so the result is bit-identical to the Python layers with those

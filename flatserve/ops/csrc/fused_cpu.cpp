@@ -79,7 +79,7 @@ inline __m512 bf16_load(const uint16_t* p) {
 // else w: the same fp32 value the generic loop forms per element, made once per call). Each
 // rounded value is packed once and both stored and unpacked from that; the generic maths and
 // bits. Against unpacking w per row and packing twice: fewer instructions where a prompt step's
-// norms run 2,048 rows x 640 (benchmarks/cpu_fused_ops.py --rev).
+// norms run 2,048 rows x 640 (benchmarks/dev/cpu_fused_ops.py --rev).
 void norm_row_bf16(const at::BFloat16* x_, at::BFloat16* r_, const float* wf, at::BFloat16* y_,
                    int64_t n, float eps, bool offset, float* buf) {
   const uint16_t* x = reinterpret_cast<const uint16_t*>(x_);
@@ -241,7 +241,7 @@ void act_row(const T* g, const T* u, T* y, int64_t I) {
       act = 0.5f * a * (2.f - 2.f / (flatserve::exp_poly(2.f * z) + 1.f));
     } else {  // silu = a * sigmoid(a), sigmoid from e = exp(-|a|) <= 1 on both sides of 0
       // (exact-form a / (1 + exp(-a)) compiled to masked divisions that ran 5x slower in bf16:
-      // benchmarks/cpu_fused_ops.py, 2,048 rows bf16: 8.4 -> 1.7 ms, torch 2.3; a - a / (exp(a) + 1)
+      // benchmarks/dev/cpu_fused_ops.py, 2,048 rows bf16: 8.4 -> 1.7 ms, torch 2.3; a - a / (exp(a) + 1)
       // was as fast but cancels for a < 0).
       const float e = flatserve::exp_poly(-std::fabs(a));
       const float r = 1.f / (1.f + e);
@@ -254,7 +254,7 @@ void act_row(const T* g, const T* u, T* y, int64_t I) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // bf16 rows in AVX-512 intrinsics, both activations as a / (1 + exp(-t)): SiLU's t = a, and
 // GELU-tanh's 0.5 a (1 + tanh z) = a * sigmoid(2z), t = 2z. GELU was 10% of the prompt steps
-// at 16 requests (cpu_profile_step.py --by-kernel --prefill); benchmarks/cpu_fused_ops.py, 2,048
+// at 16 requests (cpu_profile_step.py --by-kernel --prefill); benchmarks/dev/cpu_fused_ops.py, 2,048
 // rows: GELU 2.13 -> 1.31 ms, SiLU 1.58 -> 1.04. A reciprocal (rcp14 + one Newton step) instead
 // of the division was 1.05 / 0.97 ms but flipped more bf16 roundings against torch's division:
 // an act one ulp off becomes two in act * up, past the tests' bar.
