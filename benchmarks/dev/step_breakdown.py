@@ -129,13 +129,8 @@ def prefill_step(llm, tokens: int, ctx: int, profile: bool) -> dict:
         times.append(ev0.elapsed_time(ev1))
     ms = sorted(times[1:])[1]
     if profile:
-        from torch.profiler import ProfilerActivity, profile as prof_ctx
-
-        with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
-            runner.forward_logits(fb)
-            torch.cuda.synchronize()
         print(f"-- GPU kernels of one prompt step of {n} tokens:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        print(_kernel_table(lambda: runner.forward_logits(fb), 1, 14))
     for rid in list(eng.parents):
         eng.abort(rid)
     return {"prefill_tokens": n, "prefill_ms": ms, "prefill_tok_per_s": n / ms * 1e3}
@@ -143,17 +138,23 @@ def prefill_step(llm, tokens: int, ctx: int, profile: bool) -> dict:
 
 def kernel_profile(runner, eng, build_flat_batch) -> str:
     """torch.profiler table of the kernels inside 5 forwards (graph replays keep their kernels)."""
+    out = eng.scheduler.schedule()
+    fb = build_flat_batch(out, runner.block_size, runner.device)
+    table = _kernel_table(lambda: runner.forward_logits(fb), 5, 18)
+    eng.scheduler.update(out, {s.request.request_id: [0] for s in out.scheduled})
+    return table
+
+
+def _kernel_table(forward, times: int, rows: int) -> str:
+    """torch.profiler's table of the CUDA kernels inside `times` calls of `forward`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    out = eng.scheduler.schedule()
-    fb = build_flat_batch(out, runner.block_size, runner.device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            runner.forward_logits(fb)
+        for _ in range(times):
+            forward()
         torch.cuda.synchronize()
-    eng.scheduler.update(out, {s.request.request_id: [0] for s in out.scheduled})
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
 def main() -> None:

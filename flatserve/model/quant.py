@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -218,13 +219,12 @@ def _generated_rows(rows: int) -> bool | torch.Tensor | None:
     if meta.prompt_lens_host is None:  # decode graphs: every token past its prompt
         return True
     mask = meta.derived.get("quant_generated_rows")
-    if mask is None:
-        flags: list[bool] = []
-        for s, (seq_len, prompt_len) in enumerate(zip(meta.seq_lens_host, meta.prompt_lens_host)):
-            q = cu[s + 1] - cu[s]
-            n_prompt = min(q, max(0, prompt_len - (seq_len - q)))  # this step's prompt tokens
-            flags += [False] * n_prompt + [True] * (q - n_prompt)
-        mask = all(flags) or (any(flags) and torch.tensor(flags))
+    if mask is None:  # once a step, vectorised (a prompt step holds up to thousands of rows)
+        cu_np = np.asarray(cu)
+        q = np.diff(cu_np)
+        n_prompt = np.clip(np.asarray(meta.prompt_lens_host) - (np.asarray(meta.seq_lens_host) - q), 0, q)
+        flags = np.arange(cu_np[-1]) >= np.repeat(cu_np[:-1] + n_prompt, q)  # past its prompt
+        mask = bool(flags.all()) or (bool(flags.any()) and torch.from_numpy(flags))
         meta.derived["quant_generated_rows"] = mask
     return mask
 

@@ -40,3 +40,16 @@ def test_dummy_weights_from_config_alone(tmp_path: Path, family: str) -> None:
     outs = llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)],
                         SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
+
+
+@pytest.mark.parametrize("bad", ["bogus", "", "DUMMY", 3, None, float("nan")])
+def test_bad_load_format_is_refused_with_its_name(bad, capsys) -> None:
+    from flatserve.cli import main
+    from flatserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="load_format must be auto or dummy"):
+        EngineConfig.from_kwargs(load_format=bad)
+    if isinstance(bad, str):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--load-format", bad])
+        assert e.value.code == 2 and "--load-format" in capsys.readouterr().err
