@@ -86,7 +86,10 @@ def dense_config(family: str, common: dict) -> Any:
                              attention_multiplier=0.05, logits_scaling=4.0,
                              tie_word_embeddings=True, architectures=["GraniteForCausalLM"])
     if family == "gemma2":
-        return Gemma2Config(**c, sliding_window=64, query_pre_attn_scalar=24,
+        # query_pre_attn_scalar = head_dim, as Gemma 2 2B/9B: llama.cpp's GGUF cannot store
+        # another value (its reader assumes head_dim below 46 layers), and the G check compares
+        # the GGUF with this directory (24 made them differ by a scale, failing at random).
+        return Gemma2Config(**c, sliding_window=64, query_pre_attn_scalar=c["head_dim"],
                             attn_logit_softcapping=2.0, final_logit_softcapping=20.0,
                             layer_types=["sliding_attention", "full_attention"] * 2,
                             architectures=["Gemma2ForCausalLM"])
