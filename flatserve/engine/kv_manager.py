@@ -181,16 +181,18 @@ class KVCacheManager:
             self.hit_tokens += num_hit
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> list[int] | None:
+                       computed_blocks: list[int] | None = None, cache: bool = True) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens; None if the pool cannot (caller preempts).
 
-        `computed_blocks` (a prefix hit) are shared, not copied: they gain a reference.
+        `computed_blocks` (a prefix hit) are shared, not copied: they gain a reference. `cache`
+        False: slots held ahead of the step that writes them (the draft proposer's), not hashed,
+        so a preemption before that step cannot leave a cached block with an unwritten row.
         """
         held = self.req_blocks.get(req.request_id, [])
         bs = self.block_size
         end = req.num_computed_tokens + num_new_tokens
         if not computed_blocks and end <= len(held) * bs:  # a decode inside its last block
-            if end // bs > req.num_computed_tokens // bs:  # ...that fills it: cache it
+            if cache and end // bs > req.num_computed_tokens // bs:  # ...that fills it: cache it
                 self._cache_full_blocks(req, end)
             return held
         computed_blocks = computed_blocks or []
@@ -206,7 +208,8 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.take(num_new_blocks))
-        self._cache_full_blocks(req, num_computed + num_new_tokens)
+        if cache:
+            self._cache_full_blocks(req, num_computed + num_new_tokens)
         return blocks
 
     def _cache_full_blocks(self, req: Request, num_tokens_after_step: int) -> None:

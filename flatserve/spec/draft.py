@@ -62,10 +62,16 @@ class DraftProposer:
                 continue
             m = min(r.num_tokens - r.num_draft_computed, budget)
             done = r.num_draft_computed + m == r.num_tokens
-            # Drafts 1..k-1 get draft KV at positions N..N+k-2: hold slots for them now (the
-            # target's verify step needs them next anyway); without room, propose just one.
-            if done and k > 1 and self.kv.allocate_slots(r, k) is None:
+            # Catching up to the newest token writes draft KV at N - 1, and drafts 1..k-1 at
+            # N..N+k-2: hold slots now (the target's verify step needs them next anyway). N - 1
+            # may open a block the target has not allocated yet (N - 1 = 16 j). Without room for
+            # k, propose one; without room for N - 1, catch up to N - 2 and propose nothing.
+            if done and k > 1 and self.kv.allocate_slots(r, k, cache=False) is None:
                 k = 1
+            if done and k == 1 and self.kv.allocate_slots(r, 1, cache=False) is None:
+                m, done = m - 1, False
+            if m <= 0:
+                continue
             first.append(ScheduledRequest(r, r.num_draft_computed, m, self.kv.block_ids(r.request_id)))
             budget -= m
             if done:

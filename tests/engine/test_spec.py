@@ -170,6 +170,26 @@ def test_greedy_identical_with_speculation(tiny_checkpoint, drafts, mode) -> Non
 
 
 @engine_families
+def test_draft_catch_up_opens_a_block(tiny_checkpoint) -> None:
+    """The draft's catch-up writes KV at the newest token's position N - 1, which the target has
+    not allocated when N - 1 starts a block. With the target as its own draft (all accepted,
+    k = 3) a request emits 1, 5, 9, 13, 17 tokens; at 17 of 19 one draft is left (k = 1), and a
+    16- or 32-token prompt puts N - 1 = P + 16 on a block boundary (block size 16)."""
+    _, path, _ = tiny_checkpoint
+    rng = random.Random()
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (16, 32, 17, 31)]
+    params = SamplingParams(max_tokens=19, temperature=0, ignore_eos=True)
+    outs = {}
+    for kw in ({}, {"speculative_method": "draft", "speculative_model": str(path),
+                    "num_speculative_tokens": 3}):
+        llm = LLM(device="cpu", model=str(path), dtype="float32", num_gpu_blocks_override=200, **kw)
+        outs[bool(kw)] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.kv.num_used_blocks == 0
+        llm.engine.kv.check_invariants()
+    assert outs[True] == outs[False] and all(len(t) == 19 for t in outs[True])
+
+
+@engine_families
 def test_stop_string_inside_accepted_drafts(tiny_checkpoint) -> None:
     """A stop string that ends on an accepted draft cuts the tokens accepted after it."""
     _, path, _ = tiny_checkpoint

@@ -117,7 +117,11 @@ def test_family_flags_from_configs() -> None:
     assert (g.embedding_multiplier, g.residual_multiplier, g.query_scale, g.logits_scaling) == (12.0, 0.22, 0.05, 4.0)
     g2 = c["gemma2"]
     assert (g2.attn_logit_softcap, g2.final_logit_softcap) == (2.0, 20.0)
-    assert g2.sliding_windows == (64, None, 64, None) and abs(g2.query_scale - 24 ** -0.5) < 1e-12
+    assert g2.sliding_windows == (64, None, 64, None) and abs(g2.query_scale - 32 ** -0.5) < 1e-12
+    # The test checkpoint's scalar is its head size (as 2B/9B); 27B's (hidden / heads) is read too.
+    cfg27 = hf_config("gemma2")
+    cfg27.query_pre_attn_scalar = 24
+    assert abs(ModelConfig.from_hf(cfg27).query_scale - 24 ** -0.5) < 1e-12
 
 
 def test_fused_rope_falls_back_where_the_op_cannot_take_it(tmp_path, caplog) -> None:
