@@ -19,8 +19,8 @@ def registry() -> list[CpuKernel]:
     from flatserve.model import amx, avx2, cpu_stack, quant
     from flatserve.ops import cpu_ops
 
-    return [cpu_backend.kernel, cpu_backend.prefill_kernel, cpu_ops.module, amx._ext, cpu_stack._ext,
-            avx2._ext, quant._ext]
+    return [cpu_backend.kernel, cpu_backend.prompt_kernel, cpu_backend.prefill_kernel,
+            cpu_ops.module, amx._ext, cpu_stack._ext, avx2._ext, quant._ext]
 
 
 def default_backend(device: object) -> str:

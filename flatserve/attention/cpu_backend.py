@@ -1,12 +1,15 @@
 """CPU attention backend: C++ kernels that read paged KV in place.
 
-Every sequence with at most MAX_KERNEL_ROWS new tokens (decodes, draft-verify runs) goes to
+Decode and draft-verify sequences with at most MAX_KERNEL_ROWS new tokens go to
 `csrc/paged_decode_cpu.cpp` in one call per layer, each row seeing the keys up to its own
-position. Longer prefill chunks (compute-bound) go to `csrc/paged_prefill_amx.cpp` in one call
-per layer on CPUs with AMX bf16 tiles (bf16 models), else to the torch reference's
-per-sequence SDPA. The decode kernel is built at every ISA level, the prefill kernel at the amx
-level only (flatserve/kernels.py: built by scripts/setup.sh, cached); where the decode kernel
-has no build here, `available()` is False and kernels.default_backend picks the torch backend.
+position. Prompt rows (a sequence whose new rows start inside its prompt, whatever their count)
+and other long runs go to `csrc/paged_prompt_cpu.cpp`, whose rows are row-invariant: a prompt
+row gives the same bits whole, chunked, or after a prefix-cache hit. On CPUs with AMX bf16
+tiles (bf16 models) they go to `csrc/paged_prefill_amx.cpp` instead (faster; its row-invariance
+is not tested). The decode and prompt kernels are built at every ISA level, the AMX one at the
+amx level only (flatserve/kernels.py: built by scripts/setup.sh, cached); where the decode
+kernel has no build here, `available()` is False and kernels.default_backend picks the torch
+backend; without the prompt kernel, prompt rows take the torch reference's per-sequence SDPA.
 """
 from __future__ import annotations
 
@@ -22,9 +25,14 @@ from flatserve.attention.torch_backend import attend_seqs, paged_attention_ref, 
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _PREFILL_SRC = Path(__file__).parent / "csrc" / "paged_prefill_amx.cpp"
+_PROMPT_SRC = Path(__file__).parent / "csrc" / "paged_prompt_cpu.cpp"
 LANES = 16  # the kernel's slice width (kLanes): head sizes must be multiples of it
 # The compiled module, built once per process (None, with the reason logged, if it fails).
 kernel = CpuKernel("flatserve_paged_decode_cpu", _SRC, "attention uses the torch backend")
+
+
+# The row-invariant prompt kernel, at every level.
+prompt_kernel = CpuKernel("flatserve_paged_prompt_cpu", _PROMPT_SRC, "prompt rows use torch SDPA")
 
 
 # The AMX prefill kernel, built at the amx level only (elsewhere long chunks keep SDPA).
@@ -72,6 +80,20 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              p.sliding_window or 0, seqs, out)
 
 
+def paged_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 p: LayerAttnParams, sinks: torch.Tensor | None = None,
+                 seqs: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_prefill's contract for any dtype, softcap and sinks; each row's bits depend on
+    that row alone (csrc/paged_prompt_cpu.cpp)."""
+    mod = prompt_kernel()
+    assert mod is not None, "CPU prompt kernel not built"
+    return mod.paged_prompt(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
+                            seq_lens.contiguous(), cu_seqlens_q.contiguous(), p.scale,
+                            p.sliding_window or 0, p.softcap or 0.0,
+                            _NO_SINKS if sinks is None else sinks, seqs, out)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, p: LayerAttnParams,
                  sinks: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
@@ -95,26 +117,35 @@ _NO_CU = torch.empty(0, dtype=torch.int32)
 _NO_SINKS = torch.empty(0, dtype=torch.float32)
 
 
-# Sequences with at most this many new rows (decodes, draft-verify runs of k + 1, short chunks)
-# go through the decode kernel; longer chunks go to the AMX prefill kernel where it runs, else
-# the per-sequence SDPA. The decode kernel walks a run's KV once for all its rows; its maths per
-# row is a decode's (no matmul), so long chunks are better served by tiles, and SDPA's
-# per-sequence host work dominated short verify runs (benchmarks/offline_cpu.py, 16 requests with
-# ngram speculation: 139.9 -> 193.7-239.1 tok/s).
+# Decode and verify runs with at most this many new rows go through the decode kernel; prompt
+# rows and longer runs go to the prompt kernel (AMX prefill where it runs). The decode kernel
+# walks a run's KV once for all its rows; its maths per row is a decode's (no matmul), so long
+# runs are better served by the others, and SDPA's per-sequence host work dominated short verify
+# runs (benchmarks/offline_cpu.py, 16 requests with ngram speculation: 139.9 -> 193.7-239.1 tok/s).
 MAX_KERNEL_ROWS = 16
 
 
 def _split(meta: AttentionMetadata) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
-    """-> (sequences with at most MAX_KERNEL_ROWS new rows, the rest, each as int32 indices);
-    found on the step's first layer and kept on its metadata for the others."""
+    """-> (decode/verify sequences for the decode kernel, the rest, each as int32 indices);
+    found on the step's first layer and kept on its metadata for the others. A sequence whose
+    new rows start inside its prompt is a prompt sequence at any length: its rows must not
+    depend on how the prompt was split (chunking, prefix-cache hits)."""
     got = meta.derived.get("cpu_split")
     if got is None:
-        cu = meta.cu_seqlens_q_host
-        short = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] <= MAX_KERNEL_ROWS]
-        long = [s for s in range(meta.num_seqs) if cu[s + 1] - cu[s] > MAX_KERNEL_ROWS]
+        cu, lens, prompts = meta.cu_seqlens_q_host, meta.seq_lens_host, meta.prompt_lens_host
+        short, long = [], []
+        for s in range(meta.num_seqs):
+            n = cu[s + 1] - cu[s]
+            in_prompt = prompts is not None and lens[s] - n < prompts[s]
+            (long if in_prompt or n > MAX_KERNEL_ROWS else short).append(s)
         got = meta.derived["cpu_split"] = (short, long, torch.tensor(short, dtype=torch.int32),
                                            torch.tensor(long, dtype=torch.int32))
     return got
+
+
+def decode_only(meta: AttentionMetadata) -> bool:
+    """Every sequence of the step goes to the decode kernel (the C++ decoder stack's steps)."""
+    return meta.max_q_len <= MAX_KERNEL_ROWS and not _split(meta)[1]
 
 
 def _write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -130,10 +161,12 @@ def _write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 class CpuAttentionBackend:
-    """amx_prefill: long chunks on the AMX prefill kernel where it runs (the "cpu" backend);
-    False keeps them on SDPA (the "cpu-sdpa" backend, for A/Bs and CPUs where it misbehaves)."""
+    """amx_prefill / prompt_rows: prompt rows on the AMX prefill kernel where it runs, else the
+    row-invariant prompt kernel (the "cpu" backend); False keeps them on the torch reference's
+    SDPA (the "cpu-sdpa" backend, for A/Bs and CPUs where a kernel misbehaves)."""
     name = "cpu"
     amx_prefill = True
+    prompt_rows = True
 
     def __init__(self) -> None:
         if kernel() is None:
@@ -146,12 +179,12 @@ class CpuAttentionBackend:
         _write_kv(k, v, k_cache, v_cache, meta)
         if q.shape[-1] % LANES:  # the kernel works in 16-lane slices of the head
             return paged_attention_ref(q, k_cache, v_cache, meta, p, sinks)
-        if meta.max_q_len <= MAX_KERNEL_ROWS:  # decodes and verify runs only: all to the kernel
+        short, long, short_idx, long_idx = _split(meta)
+        if not long:  # decodes and verify runs only: all to the decode kernel
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, p, sinks,
                                 meta.cu_seqlens_q)
-        short, long, short_idx, long_idx = _split(meta)
         amx = self.amx_prefill and prefill_fits(q, k_cache, p, sinks)
-        if amx and not short:  # prefill chunks only
+        if amx and not short:  # prompt rows only
             return paged_prefill(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                                  meta.cu_seqlens_q, p)
         # Each kernel writes its own sequences' rows of one output, reading q in place.
@@ -163,6 +196,9 @@ class CpuAttentionBackend:
         if amx:
             paged_prefill(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
                           p, long_idx, out)
+        elif self.prompt_rows and prompt_kernel() is not None:
+            paged_prompt(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+                         p, sinks, long_idx, out)
         else:
             attend_seqs(q, k_cache, v_cache, meta, p, sinks, out, long)
         return out
@@ -171,3 +207,4 @@ class CpuAttentionBackend:
 class CpuSdpaPrefillBackend(CpuAttentionBackend):
     name = "cpu-sdpa"
     amx_prefill = False
+    prompt_rows = False

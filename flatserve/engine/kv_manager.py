@@ -118,6 +118,15 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
+    def reset_cache(self) -> None:
+        """Forget every cached prefix: free hashed blocks become spare ones (callers check that
+        no block is held)."""
+        for bid in self.free:
+            self.blocks[bid].block_hash = None
+        self.spare.extend(self.free)
+        self.free.clear()
+        self.cached.clear()
+
     def set_hash(self, bid: int, block_hash: int) -> None:
         if not self.enable_caching or block_hash in self.cached:
             return  # an identical block already serves this prefix; keep the first one
@@ -234,6 +243,15 @@ class KVCacheManager:
         self.req_hashes.pop(request_id, None)
         if blocks:
             self.pool.release(blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False, changing nothing,
+        while a request holds blocks (their hashes may be shared)."""
+        if self.num_used_blocks:
+            return False
+        self.pool.reset_cache()
+        self.req_hashes.clear()
+        return True
 
     def check_invariants(self) -> None:
         """Debug/test helper: ref counts equal the number of holders; free queue is exact."""

@@ -40,6 +40,10 @@ class LLM:
     def from_config(cls, config: EngineConfig) -> LLM:
         return cls(config=config)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests are unfinished."""
+        return self.engine.kv.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

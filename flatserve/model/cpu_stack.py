@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flatserve.kernel_build import CpuKernel
+from flatserve.attention import cpu_backend
 from flatserve.attention.metadata import current_metadata
+from flatserve.kernel_build import CpuKernel
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "decoder_stack_cpu.cpp"
 # No arithmetic of its own (it calls the other kernels' ops through torch's dispatcher): one
@@ -44,8 +45,8 @@ class CpuDecoderStack:
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         meta = current_metadata()
-        if meta.max_q_len > self.max_rows:
-            return None
+        if meta.max_q_len > self.max_rows or not cpu_backend.decode_only(meta):
+            return None  # prompt rows: the Python layers send them to the prompt kernel
         tables = [r.table(meta.max_seq_len + 1) for r in self.ropes]  # [2, P, D] each, grown lazily
         h, residual = self.stack.forward(
             h, _EMPTY if residual is None else residual, positions.contiguous(), tables,
@@ -58,7 +59,6 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
     """The stack for these decoder layers (their KV caches bound), or None where any layer
     would leave the C++ path (the reason is not logged: the Python layers are the normal path
     on every other device too)."""
-    from flatserve.attention import cpu_backend
     from flatserve.ops import cpu_ops
 
     if not isinstance(backend, cpu_backend.CpuAttentionBackend) or len(layers) == 0:

@@ -53,6 +53,37 @@ def test_batch_invariance_alone_vs_16_concurrent(llm) -> None:
     assert llm.engine.num_used_blocks == 0 or llm.config.enable_prefix_caching
 
 
+def test_prefix_cache_hits_do_not_change_greedy_answers(default_model_path) -> None:
+    """Prompts served with the default dtype and kernels, prefix caching on: again (only their
+    tails computed, through the same row-invariant prompt kernel) and beside prompts sharing
+    their prefix, the tokens and logprobs are bit-equal to each prompt served alone, cold."""
+    rng = random.Random()
+    words = "the of and a to in is you that it he was for on are as with his they".split()
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+    base = text(20, 60)
+    prompts = [base + " " + text(1, 30) for _ in range(6)] + [text(17, 90) for _ in range(4)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+
+    def answers(outs) -> list[tuple[list[int], list[float]]]:
+        return [(o.outputs[0].token_ids, [d[t].logprob for d, t in zip(o.outputs[0].logprobs,
+                                                                        o.outputs[0].token_ids)])
+                for o in outs]
+    llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20,
+              max_model_len=1024)
+    alone = []
+    for p in prompts:  # each served alone on a cold cache
+        assert llm.reset_prefix_cache()
+        alone.append(answers(llm.generate([p], params, use_tqdm=False))[0])
+    assert llm.reset_prefix_cache()
+    first = answers(llm.generate(prompts, params, use_tqdm=False))
+    before = llm.engine.runner.num_forward_tokens
+    again = answers(llm.generate(prompts, params, use_tqdm=False))
+    prompt_tokens = sum(len(llm.get_tokenizer()(p).input_ids) for p in prompts)
+    assert llm.engine.runner.num_forward_tokens - before < prompt_tokens  # the cache was hit
+    assert first == alone and again == alone
+
+
 @pytest.mark.parametrize("bad,match", [
     ("", "prompt is empty"),
     ([], "prompt is empty"),

@@ -50,6 +50,20 @@ def test_prefix_hit_shares_blocks_without_copy_and_recomputes_last_token() -> No
     kv.check_invariants()
 
 
+def test_reset_prefix_cache_forgets_prefixes_only_when_nothing_is_held() -> None:
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    a = _req("a", list(range(12)))
+    kv.allocate_slots(a, 12)
+    assert not kv.reset_prefix_cache()  # a holds blocks: nothing changes
+    assert kv.get_computed_blocks(_req("x", list(range(12))))[1] == 8
+    kv.free("a")
+    assert kv.get_computed_blocks(_req("y", list(range(12))))[1] == 8  # freed, still cached
+    assert kv.reset_prefix_cache()
+    assert kv.get_computed_blocks(_req("z", list(range(12)))) == ([], 0)
+    assert kv.pool.num_free == 19 and not kv.pool.free and not kv.pool.cached
+    kv.check_invariants()
+
+
 def test_freed_blocks_stay_cached_and_evict_lru() -> None:
     kv = KVCacheManager(num_blocks=5, block_size=2)  # 4 usable
     a, b = _req("a", [1, 2, 3]), _req("b", [7, 8, 9])

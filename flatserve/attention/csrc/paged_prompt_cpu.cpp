@@ -1,0 +1,286 @@
+// Paged prompt attention on the CPU, row-invariant: each query row's output depends only on
+// that row's query, its position and its sequence's keys, never on which other rows share the
+// call. A prompt row gives the same bits in a whole prompt, in a chunk of it, or as the tail
+// left after a prefix-cache hit, so greedy answers do not change with what else is running.
+//
+// Why its own kernel: torch's CPU SDPA splits the query rows by their count and the decode
+// kernel computes a row otherwise than SDPA; with prefix caching a repeated prompt's tail (<= 16
+// rows) went to the decode kernel while the prompt served alone went to SDPA, and 152 of 899
+// kept answers differed from the prompt served alone (benchmarks/load_disconnects.py, AVX2 EPYC,
+// 2026-11-26). SDPA itself, tail against whole prompt: 9 of 60 random fp32 cases differ.
+//
+// How invariance is kept: work items are (sequence, KV head, up to kRows query rows); every row
+// walks the same absolute 16-key groups (keys 16 j .. 16 j + 15) in order, skipping exactly the
+// groups it cannot see, with one code path for every row: a row's scores are dot products over
+// the head in a fixed order, its softmax is online per group, and the rows a tile pads with are
+// computed and dropped. Keys a row cannot see inside a group get weight 0 (an exact no-op).
+// Each group's K (transposed) and V are widened to fp32 once per work item and shared by its rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_math.h"
+#include "seq_list.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;  // fp32 lanes of one vector register
+#else
+constexpr int64_t W = 8;   // AVX2 (and the portable build's two SSE registers)
+#endif
+typedef float vw __attribute__((vector_size(W * 4)));
+constexpr int64_t kKeys = 16;  // keys per softmax step, aligned to absolute positions
+constexpr int64_t kRows = 64;  // query rows per work item: positions x the g heads of a KV head
+                               // (16 rows spent ~1/3 of the time widening K/V per item)
+constexpr int64_t kR = 4;      // rows per register tile (scores: 4 rows x 2 keys accumulators)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline vw ldw(const float* p) { vw v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void stw(float* p, vw v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float sum16(const float* p) {
+  float s[kKeys];
+  std::memcpy(s, p, sizeof(s));
+  for (int64_t n = kKeys / 2; n >= 1; n /= 2)
+    for (int64_t i = 0; i < n; ++i) s[i] += s[i + n];
+  return s[0];
+}
+
+// n cache values -> fp32.
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+inline void widen(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+struct Geo {
+  int64_t hq, hkv, g, d, bs, max_blocks;
+  float scale, softcap;  // softcap <= 0: off
+  int64_t window;        // <= 0: off; keys with pos > q_pos - window are visible
+};
+
+struct Item {
+  int64_t seq, kvh, t0, nt;  // rows t0..t0 + nt - 1 of the sequence's new rows
+};
+
+// Per-thread scratch of one work item.
+struct Scratch {
+  std::vector<float> q, kf, krow, vf, s, p, acc, m, l;  // kf: K transposed, [d][kKeys]
+  Scratch(int64_t rows, int64_t d)
+      : q(rows * d), kf(kKeys * d), krow(d), vf(kKeys * d), s(rows * kKeys), p(rows * kKeys),
+        acc(rows * d), m(rows), l(rows) {}
+};
+
+// s[r * kKeys + j] = q_r . k_j for rows r0..r0 + kR - 1 and the group's 16 keys, from kt [d][16]
+// (the keys' values at one head dim side by side): a row's 16 scores build up as kKeys / W
+// vectors, one FMA chain each over the head, with no horizontal sums.
+inline void scores(const float* q, const float* kt, float* s, int64_t r0, int64_t d) {
+  constexpr int64_t NV = kKeys / W;
+  vw a[kR][NV] = {};
+  for (int64_t c = 0; c < d; ++c) {
+    vw k[NV];
+    for (int64_t v = 0; v < NV; ++v) k[v] = ldw(kt + c * kKeys + v * W);
+    for (int64_t r = 0; r < kR; ++r) {
+      const float qr = q[(r0 + r) * d + c];
+      for (int64_t v = 0; v < NV; ++v) a[r][v] += qr * k[v];
+    }
+  }
+  for (int64_t r = 0; r < kR; ++r)
+    for (int64_t v = 0; v < NV; ++v) stw(s + (r0 + r) * kKeys + v * W, a[r][v]);
+}
+
+// acc_r += sum_j p[r, j] v_j for rows r0..r0 + kR - 1, NC head chunks of W at a time (NC = 2:
+// 2 V loads and 4 broadcasts feed 8 FMAs; one chunk at a time the loads set the pace).
+template <int64_t NC>
+inline void pv_chunks(const float* p, const float* vf, float* acc, int64_t r0, int64_t d, int64_t c) {
+  vw a[kR][NC];
+  for (int64_t r = 0; r < kR; ++r)
+    for (int64_t u = 0; u < NC; ++u) a[r][u] = ldw(acc + (r0 + r) * d + c + u * W);
+  for (int64_t j = 0; j < kKeys; ++j) {
+    vw v[NC];
+    for (int64_t u = 0; u < NC; ++u) v[u] = ldw(vf + j * d + c + u * W);
+    for (int64_t r = 0; r < kR; ++r) {
+      const float pr = p[(r0 + r) * kKeys + j];
+      for (int64_t u = 0; u < NC; ++u) a[r][u] += pr * v[u];
+    }
+  }
+  for (int64_t r = 0; r < kR; ++r)
+    for (int64_t u = 0; u < NC; ++u) stw(acc + (r0 + r) * d + c + u * W, a[r][u]);
+}
+
+inline void pv(const float* p, const float* vf, float* acc, int64_t r0, int64_t d) {
+  int64_t c = 0;
+  for (; c + 2 * W <= d; c += 2 * W) pv_chunks<2>(p, vf, acc, r0, d, c);
+  if (c < d) pv_chunks<1>(p, vf, acc, r0, d, c);
+}
+
+// One row's online-softmax step over a group at key position k0: p[16] and the rescale of its
+// accumulator. Returns false (nothing changed) where the row sees no key of the group.
+inline bool softmax_step(const float* sc, float* p, float* acc, float& m, float& l, int64_t qpos,
+                         int64_t k0, const Geo& g) {
+  float x[kKeys];
+  bool any = false;
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t kp = k0 + j;
+    const bool vis = kp <= qpos && (g.window <= 0 || kp > qpos - g.window);
+    float v = sc[j] * g.scale;
+    if (g.softcap > 0.f) v = std::tanh(v / g.softcap) * g.softcap;
+    x[j] = vis ? v : kNegInf;
+    any |= vis;
+  }
+  if (!any) {
+    std::memset(p, 0, kKeys * sizeof(float));
+    return false;
+  }
+  float mb = kNegInf;
+  for (int64_t j = 0; j < kKeys; ++j) mb = std::max(mb, x[j]);
+  const float mn = std::max(m, mb);
+  const float alpha = m == kNegInf ? 0.f : flatserve::exp_poly(m - mn);
+  for (int64_t j = 0; j < kKeys; ++j) p[j] = x[j] == kNegInf ? 0.f : flatserve::exp_poly(x[j] - mn);
+  l = l * alpha + sum16(p);
+  if (alpha != 1.f)
+    for (int64_t c = 0; c < g.d; ++c) acc[c] *= alpha;
+  m = mn;
+  return true;
+}
+
+template <typename T>
+void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int32_t* bt,
+              const int32_t* lens, const int32_t* cu, const float* sinks, T* out, const Geo& g,
+              Scratch& sc) {
+  const int64_t L = lens[it.seq], n = cu[it.seq + 1] - cu[it.seq], d = g.d;
+  const int64_t rows = it.nt * g.g, tiles = (rows + kR - 1) / kR;
+  const int64_t q_first = L - n + it.t0, q_last = q_first + it.nt - 1;  // positions
+  // Rows in (position, head) order; padding rows repeat the last one and are dropped.
+  for (int64_t r = 0; r < tiles * kR; ++r) {
+    const int64_t rr = std::min(r, rows - 1), t = rr / g.g, h = it.kvh * g.g + rr % g.g;
+    widen(q + ((cu[it.seq] + it.t0 + t) * g.hq + h) * d, sc.q.data() + r * d, d);
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + tiles * kR * d, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + tiles * kR, kNegInf);
+  std::fill(sc.l.begin(), sc.l.begin() + tiles * kR, 0.f);
+  const int64_t lo = g.window > 0 ? std::max<int64_t>(0, q_first - g.window + 1) : 0;
+  const int64_t rs = g.hkv * d;  // elements between consecutive cache rows
+  for (int64_t k0 = lo / kKeys * kKeys; k0 <= q_last; k0 += kKeys) {
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const int64_t kp = k0 + j;
+      float* vd = sc.vf.data() + j * d;
+      if (kp >= L) {  // past the sequence: zero, never visible (the slot may hold anything)
+        for (int64_t c = 0; c < d; ++c) sc.kf[c * kKeys + j] = 0.f;
+        std::memset(vd, 0, d * 4);
+        continue;
+      }
+      const int64_t blk = bt[it.seq * g.max_blocks + kp / g.bs];
+      const int64_t off = (blk * g.bs + kp % g.bs) * rs + it.kvh * d;
+      widen(kc + off, sc.krow.data(), d);
+      for (int64_t c = 0; c < d; ++c) sc.kf[c * kKeys + j] = sc.krow[c];
+      widen(vc + off, vd, d);
+    }
+    for (int64_t t = 0; t < tiles; ++t) scores(sc.q.data(), sc.kf.data(), sc.s.data(), t * kR, d);
+    for (int64_t r = 0; r < tiles * kR; ++r) {
+      const int64_t rr = std::min(r, rows - 1);
+      softmax_step(sc.s.data() + r * kKeys, sc.p.data() + r * kKeys, sc.acc.data() + r * d,
+                   sc.m[r], sc.l[r], q_first + rr / g.g, k0, g);
+    }
+    for (int64_t t = 0; t < tiles; ++t) pv(sc.p.data(), sc.vf.data(), sc.acc.data(), t * kR, d);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / g.g, h = it.kvh * g.g + r % g.g;
+    float l = sc.l[r];
+    if (sinks) l += flatserve::exp_poly(sinks[h] - sc.m[r]);
+    const float inv = 1.f / l;
+    T* o = out + ((cu[it.seq] + it.t0 + t) * g.hq + h) * d;
+    const float* a = sc.acc.data() + r * d;
+    for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(a[c] * inv);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+         const at::Tensor& lens, const int32_t* cu, const float* sinks, at::Tensor& out,
+         const Geo& g, const std::vector<int64_t>& which) {
+  const int64_t tq = std::max<int64_t>(1, kRows / g.g);  // positions per work item
+  std::vector<Item> items;
+  for (int64_t s : which) {
+    const int64_t n = cu[s + 1] - cu[s];
+    for (int64_t h = 0; h < g.hkv; ++h)
+      for (int64_t t0 = 0; t0 < n; t0 += tq) items.push_back({s, h, t0, std::min(tq, n - t0)});
+  }
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t rows = (tq * g.g + kR - 1) / kR * kR;
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t a, int64_t b) {
+    Scratch sc(rows, g.d);
+    for (int64_t i = a; i < b; ++i) run_item<T>(items[i], qp, kp, vp, btp, lp, cu, sinks, op, g, sc);
+  });
+}
+
+}  // namespace
+
+// q [R, Hq, D]; sequence s's rows cu[s]..cu[s + 1] end at position seq_lens[s] - 1, each row
+// causal over its sequence's paged keys (and inside the window) -> [R, Hq, D]. With `seqs`:
+// only those sequences' rows, written into `out`.
+at::Tensor paged_prompt(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_table, const at::Tensor& seq_lens,
+                        const at::Tensor& cu_seqlens_q, double scale, int64_t window,
+                        double softcap, const at::Tensor& sinks,
+                        const c10::optional<at::Tensor>& seqs, const c10::optional<at::Tensor>& out_) {
+  TORCH_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && block_table.is_cpu() &&
+              seq_lens.is_cpu() && cu_seqlens_q.is_cpu(), "paged_prompt: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "paged_prompt: contiguous q [R,Hq,D] and caches [N,bs,Hkv,D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_prompt: q and caches must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              cu_seqlens_q.scalar_type() == at::kInt && block_table.is_contiguous() &&
+              seq_lens.is_contiguous() && cu_seqlens_q.is_contiguous(), "paged_prompt: int32 metadata");
+  Geo g{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1),
+        block_table.size(1), static_cast<float>(scale), static_cast<float>(softcap), window};
+  TORCH_CHECK(g.hq % g.hkv == 0 && k_cache.size(3) == g.d && g.d % W == 0,
+              "paged_prompt: head shapes (head size a multiple of ", W, ")");
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(block_table.size(0) == S && cu_seqlens_q.numel() == S + 1,
+              "paged_prompt: one block-table row and cu_seqlens_q entry per sequence");
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[S] == q.size(0), "paged_prompt: cu_seqlens_q must span q's rows");
+  const std::vector<int64_t> which = flatserve::sequence_list(seqs, S, "paged_prompt");
+  for (int64_t s : which)
+    TORCH_CHECK(cu[s + 1] >= cu[s] && cu[s + 1] - cu[s] <= lp[s] &&
+                (lp[s] + g.bs - 1) / g.bs <= g.max_blocks,
+                "paged_prompt: each sequence needs 0..seq_len rows and its blocks in the table");
+  at::Tensor sk = sinks.numel() ? sinks.to(at::kFloat).contiguous() : sinks;
+  TORCH_CHECK(!sinks.numel() || sinks.numel() == g.hq, "paged_prompt: one sink per query head");
+  const float* sp = sinks.numel() ? sk.data_ptr<float>() : nullptr;
+  at::Tensor out = flatserve::output_for(q, out_, "paged_prompt");
+  switch (q.scalar_type()) {
+    case at::kFloat: run<float>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, g, which); break;
+    case at::kBFloat16: run<at::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, g, which); break;
+    case at::kHalf: run<at::Half>(q, k_cache, v_cache, block_table, seq_lens, cu, sp, out, g, which); break;
+    default: TORCH_CHECK(false, "paged_prompt: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("paged_prompt", &paged_prompt, "row-invariant paged prompt attention", py::arg("q"),
+          py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
+          py::arg("cu_seqlens_q"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
+          py::arg("sinks"), py::arg("seqs") = py::none(), py::arg("out") = py::none());
+}
