@@ -227,6 +227,10 @@ struct Unpacked {  // one weight row in the common form
   int8_t* v;
   float* sc;
   float* mn;
+  // Q8_0 rows are dotted from their stored blocks (34 bytes: f16 d, 32 codes): already the
+  // common form but for the stride, and unpacking them cost a copy per block for nothing
+  // (the default model's 262k-row LM head is Q8_0).
+  const uint8_t* raw = nullptr;
 };
 
 void unpack_row(const uint8_t* src, const Layout& L, int fmt, int64_t K, Unpacked r) {
@@ -255,8 +259,10 @@ void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* ou
   for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = ld(w.v + 32 * b), aw = _mm256_sign_epi8(wv, wv);
-    const __m256 scv = _mm256_set_m128(_mm_set1_ps(w.sc[2 * b + 1]), _mm_set1_ps(w.sc[2 * b]));
+    const uint8_t* blk = w.raw + 34 * b;  // (only read when raw)
+    const __m256i wv = w.raw ? ld(blk + 2) : ld(w.v + 32 * b), aw = _mm256_sign_epi8(wv, wv);
+    const __m256 scv = w.raw ? _mm256_set1_ps(h2f(blk))
+                             : _mm256_set_m128(_mm_set1_ps(w.sc[2 * b + 1]), _mm_set1_ps(w.sc[2 * b]));
     for (int t = 0; t < MT; ++t) {
       const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(ld(xq[t] + 32 * b), wv));
       const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));  // lanes 0-3: values 0-15
@@ -272,10 +278,13 @@ void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* ou
   for (int t = 0; t < MT; ++t) {
     float acc = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* v = w.raw ? reinterpret_cast<const int8_t*>(w.raw + 34 * b + 2) : w.v + 32 * b;
+      const float sc0 = w.raw ? h2f(w.raw + 34 * b) : w.sc[2 * b];
+      const float sc1 = w.raw ? sc0 : w.sc[2 * b + 1];
       int32_t s0 = 0, s1 = 0;
-      for (int l = 0; l < 16; ++l) s0 += int32_t(w.v[32 * b + l]) * xq[t][32 * b + l];
-      for (int l = 16; l < 32; ++l) s1 += int32_t(w.v[32 * b + l]) * xq[t][32 * b + l];
-      acc += xd[t][b] * (w.sc[2 * b] * float(s0) + w.sc[2 * b + 1] * float(s1));
+      for (int l = 0; l < 16; ++l) s0 += int32_t(v[l]) * xq[t][32 * b + l];
+      for (int l = 16; l < 32; ++l) s1 += int32_t(v[l]) * xq[t][32 * b + l];
+      acc += xd[t][b] * (sc0 * float(s0) + sc1 * float(s1));
     }
     out[t] = acc;
   }
@@ -316,7 +325,10 @@ void gemm_impl(const Acts& a, int64_t M, int passes, const uint8_t* w, int64_t N
       Unpacked rows[NB];
       for (int64_t r = 0; r < nn; ++r) {
         rows[r] = {vbuf.data() + r * K, scbuf.data() + r * K / 16, mnbuf.data() + r * K / 32};
-        unpack_row(w + (n0 + r) * row_bytes, L, fmt, K, rows[r]);
+        if (fmt == Q8_0)
+          rows[r].raw = w + (n0 + r) * row_bytes;
+        else
+          unpack_row(w + (n0 + r) * row_bytes, L, fmt, K, rows[r]);
       }
       float res[4];
       int64_t m0 = 0;
