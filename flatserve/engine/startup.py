@@ -296,7 +296,7 @@ def _model_config(model: str | None) -> tuple[ModelSource, Any, ModelConfig]:
 
 def _keep_quantized(cfg: EngineConfig, device: torch.device) -> bool:
     """GGUF block formats stay as stored unless --dequantize. CUDA keeps the dense path: its
-    quantized linears are the torch reference until the Triton kernels serve them."""
+    Triton kernel reads every format but has not run on a GPU since the K formats came in."""
     return not cfg.dequantize and device.type == "cpu"
 
 

@@ -161,7 +161,8 @@ class QuantLinear(nn.Module):
         return y
 
     def _triton(self) -> bool:
-        """Every segment in a format the Triton kernel reads (the K formats: not yet)."""
+        """Every segment in a format the Triton kernel reads (all of qformats.FORMATS but the
+        ones only dequantized at load)."""
         from flatserve.model.quant_triton import KERNEL_FORMATS
 
         return all(f.name in KERNEL_FORMATS for f in self.fmts)

@@ -20,7 +20,9 @@ from tests.model.test_qformats import random_blocks
 dev = sys.argv[1]
 for name in quant_triton.KERNEL_FORMATS:
     fmt = FORMATS[name]
-    for m, (n, k) in ((1, (70, 128)), (5, (64, 256)), (40, (33, 96))):
+    shapes = ((1, (70, 128)), (5, (64, 256)), (40, (33, 96))) if fmt.block == 32 else \
+        ((1, (70, 256)), (5, (64, 512)), (40, (33, 768)))  # K formats: 256-value super-blocks
+    for m, (n, k) in shapes:
         raw = random_blocks(fmt, n, k, seed=m + fmt.ggml_type)
         w = dequantize(raw, fmt, k)
         x = torch.randn(m, k)
