@@ -228,6 +228,8 @@ def sum_topk(y: torch.Tensor, T: int, k: int, H: int) -> torch.Tensor:
     middle dimension ran at ~50 GB/s: 20 ms of a 32k-token Qwen3-30B-A3B prompt step on an
     H200 (benchmarks/dev/step_breakdown.py --prefill 32768)."""
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+    if T == 0:
+        return out
     block = min(1024, triton.next_power_of_2(H))
     _sum_topk_kernel[(T, triton.cdiv(H, block))](y, out, H, K=k, BLOCK_H=block)
     return out
