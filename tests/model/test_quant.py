@@ -59,7 +59,8 @@ def test_multi_pass_codes_match_passes_one_at_a_time(passes, dtype) -> None:
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 16, quant.PROMPT_ROWS - 1])  # decode sizes, a tile remainder
-def test_kernel_matches_reference_on_its_8bit_activations(name, rows) -> None:
+def test_kernel_matches_reference_on_its_8bit_activations(name, rows, cpu_isa) -> None:
+    """At every ISA level this CPU runs (the AVX2 build and the portable C++)."""
     rng = random.Random()
     k = rng.choice([256, 512, 1024])
     n = rng.choice([1, 17, 40])
@@ -185,8 +186,8 @@ def test_each_row_takes_its_path_whatever_shares_the_step() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0"])
-def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(name) -> None:
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "q5_0"])
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(name, cpu_isa) -> None:
     """Each path row by row: a row's int8 codes and outputs, and its float-GEMM output, are the
     same bits whatever the call's row count or the row's place in it. Both failed before
     2026-11-26: quantize_act's threaded copy (M > 16) contracted the residual into an FMA that

@@ -247,63 +247,12 @@ struct Acts {  // activations quantized per 32 values
   int64_t K;
 };
 
-// MT activation rows (m0 ..) against one unpacked weight row -> out[MT].
-template <int MT>
-void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* out) {
-  const int64_t K = a.K, nb = K / 32;
-  const int8_t* xq[MT];
-  const float* xd[MT];
-  for (int t = 0; t < MT; ++t) { xq[t] = a.q + (m0 + t) * K; xd[t] = a.d + (m0 + t) * nb; }
-#if QG_AVX2
-  __m256 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w.raw + 34 * b;  // (only read when raw)
-    const __m256i wv = w.raw ? ld(blk + 2) : ld(w.v + 32 * b), aw = _mm256_sign_epi8(wv, wv);
-    const __m256 scv = w.raw ? _mm256_set1_ps(h2f(blk))
-                             : _mm256_set_m128(_mm_set1_ps(w.sc[2 * b + 1]), _mm_set1_ps(w.sc[2 * b]));
-    for (int t = 0; t < MT; ++t) {
-      const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(ld(xq[t] + 32 * b), wv));
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));  // lanes 0-3: values 0-15
-      acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, _mm256_set1_ps(xd[t][b])), acc[t]);
-    }
-  }
-  for (int t = 0; t < MT; ++t) {
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    out[t] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-  }
-#else
-  for (int t = 0; t < MT; ++t) {
-    float acc = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* v = w.raw ? reinterpret_cast<const int8_t*>(w.raw + 34 * b + 2) : w.v + 32 * b;
-      const float sc0 = w.raw ? h2f(w.raw + 34 * b) : w.sc[2 * b];
-      const float sc1 = w.raw ? sc0 : w.sc[2 * b + 1];
-      int32_t s0 = 0, s1 = 0;
-      for (int l = 0; l < 16; ++l) s0 += int32_t(v[l]) * xq[t][32 * b + l];
-      for (int l = 16; l < 32; ++l) s1 += int32_t(v[l]) * xq[t][32 * b + l];
-      acc += xd[t][b] * (sc0 * float(s0) + sc1 * float(s1));
-    }
-    out[t] = acc;
-  }
-#endif
-  if (mins)
-    for (int t = 0; t < MT; ++t) {
-      const float* xs = a.s + (m0 + t) * nb;
-      float m = 0.f;
-      for (int64_t b = 0; b < nb; ++b) m += w.mn[b] * xs[b];
-      out[t] -= m;
-    }
-}
-
 #if QG_AVX2
 // Decode-sized calls (at most 4 code rows: one or two decode rows' passes) dot each stored block
 // right after unpacking it into registers: the unpack buffer pays off only when many rows reuse
 // it, and its store and reload cost more than the dots at 2 rows (the default model's 4096 x 640
 // q5_0 gate_up at one decode row: 0.48 ms, 3.8 GB/s of weights). The values, scales and
-// arithmetic are unpack_block's and dot_rows's, in the same order: the same bits per row.
+// arithmetic are unpack_block's, and dot_src is the buffered rows' dot too: the same bits per row.
 struct DirectRow {
   const uint8_t* row;
   int fmt;
@@ -369,8 +318,11 @@ struct DirectRow {
   }
 };
 
-template <int MT>
-void dot_direct(DirectRow& w, const Acts& a, int64_t m0, float* out) {
+// MT activation rows (m0 ..) against one weight row -> out[MT]. The row is a source of blocks:
+// `get(b, codes, scales)` and `mn` (the 32-value offsets, read after the loop); one dot for
+// every source, so a row's bits do not depend on where its blocks were unpacked.
+template <int MT, typename Row>
+void dot_src(Row& w, const Acts& a, int64_t m0, bool mins, float* out) {
   const int64_t K = a.K, nb = K / 32;
   const int8_t* xq[MT];
   const float* xd[MT];
@@ -385,7 +337,7 @@ void dot_direct(DirectRow& w, const Acts& a, int64_t m0, float* out) {
     const __m256i aw = _mm256_sign_epi8(wv, wv);
     for (int t = 0; t < MT; ++t) {
       const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(ld(xq[t] + 32 * b), wv));
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));  // lanes 0-3: values 0-15
       acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, _mm256_set1_ps(xd[t][b])), acc[t]);
     }
   }
@@ -394,13 +346,60 @@ void dot_direct(DirectRow& w, const Acts& a, int64_t m0, float* out) {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     out[t] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
   }
-  if (w.L.mins)
+  if (mins)
     for (int t = 0; t < MT; ++t) {
       const float* xs = a.s + (m0 + t) * nb;
       float m = 0.f;
       for (int64_t b = 0; b < nb; ++b) m += w.mn[b] * xs[b];
       out[t] -= m;
     }
+}
+
+struct BufferedRow {  // a row unpacked into the common form (or a raw Q8_0 row)
+  const Unpacked& u;
+  const float* mn;
+  inline void get(int64_t b, __m256i& wv, __m256& scv) const {
+    if (u.raw) {
+      const uint8_t* blk = u.raw + 34 * b;
+      wv = ld(blk + 2);
+      scv = _mm256_set1_ps(h2f(blk));
+    } else {
+      wv = ld(u.v + 32 * b);
+      scv = _mm256_set_m128(_mm_set1_ps(u.sc[2 * b + 1]), _mm_set1_ps(u.sc[2 * b]));
+    }
+  }
+};
+
+template <int MT>
+void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* out) {
+  BufferedRow r{w, w.mn};
+  dot_src<MT>(r, a, m0, mins, out);
+}
+#else
+template <int MT>
+void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* out) {
+  const int64_t K = a.K, nb = K / 32;
+  for (int t = 0; t < MT; ++t) {
+    const int8_t* xq = a.q + (m0 + t) * K;
+    const float* xd = a.d + (m0 + t) * nb;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* v = w.raw ? reinterpret_cast<const int8_t*>(w.raw + 34 * b + 2) : w.v + 32 * b;
+      const float sc0 = w.raw ? h2f(w.raw + 34 * b) : w.sc[2 * b];
+      const float sc1 = w.raw ? sc0 : w.sc[2 * b + 1];
+      int32_t s0 = 0, s1 = 0;
+      for (int l = 0; l < 16; ++l) s0 += int32_t(v[l]) * xq[32 * b + l];
+      for (int l = 16; l < 32; ++l) s1 += int32_t(v[l]) * xq[32 * b + l];
+      acc += xd[b] * (sc0 * float(s0) + sc1 * float(s1));
+    }
+    if (mins) {
+      const float* xs = a.s + (m0 + t) * nb;
+      float m = 0.f;
+      for (int64_t b = 0; b < nb; ++b) m += w.mn[b] * xs[b];
+      acc -= m;
+    }
+    out[t] = acc;
+  }
 }
 #endif
 
@@ -432,10 +431,10 @@ void gemm_impl(const Acts& a, int64_t M, int passes, const uint8_t* w, int64_t N
       float res[4];
       for (int64_t n = c0 * NB; n < std::min(N, c1 * NB); ++n) {
         dr.row = w + n * row_bytes;
-        if (R == 1) dot_direct<1>(dr, a, 0, res);
-        else if (R == 2) dot_direct<2>(dr, a, 0, res);
-        else if (R == 3) dot_direct<3>(dr, a, 0, res);
-        else dot_direct<4>(dr, a, 0, res);
+        if (R == 1) dot_src<1>(dr, a, 0, L.mins, res);
+        else if (R == 2) dot_src<2>(dr, a, 0, L.mins, res);
+        else if (R == 3) dot_src<3>(dr, a, 0, L.mins, res);
+        else dot_src<4>(dr, a, 0, L.mins, res);
         for (int t = 0; t < R; t += passes) {
           float y = res[t];
           for (int p = 1; p < passes; ++p) y += res[t + p];
