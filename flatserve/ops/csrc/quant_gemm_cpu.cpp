@@ -357,7 +357,7 @@ void dot_src(Row& w, const Acts& a, int64_t m0, bool mins, float* out) {
 
 struct BufferedRow {  // a row unpacked into the common form (or a raw Q8_0 row)
   const Unpacked& u;
-  const float* mn;
+  const float* mn = u.mn;
   inline void get(int64_t b, __m256i& wv, __m256& scv) const {
     if (u.raw) {
       const uint8_t* blk = u.raw + 34 * b;
@@ -372,7 +372,7 @@ struct BufferedRow {  // a row unpacked into the common form (or a raw Q8_0 row)
 
 template <int MT>
 void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* out) {
-  BufferedRow r{w, w.mn};
+  BufferedRow r{w};
   dot_src<MT>(r, a, m0, mins, out);
 }
 #else
