@@ -179,6 +179,11 @@ def _time_kernels() -> dict[str, float]:
 
     wrap(AMXLinear, linear)
     wrap(OneDNNLinear, linear)
+    from flatserve.model.avx2 import AVX2Linear
+    from flatserve.model.quant import QuantLinear
+
+    wrap(AVX2Linear, linear)
+    wrap(QuantLinear, lambda m: f"quant {linear(m)}")
     wrap(CpuAttentionBackend, lambda m: "attention (KV write + kernel)")
     from flatserve.model.greedy_head import Int8GreedyHead
 

@@ -8,15 +8,14 @@ bytes per token of its Q4_K_M file and holds 2-3x the memory (issue #30's figure
 
 A `QuantLinear` holds its rows as segments of one format each (q|k|v or gate|up fuse at load,
 and a Q4_K_M file may store v in Q8_0 beside q and k in Q5_0). On the CPU the C++ kernel
-(ops/csrc/quant_gemm_cpu.cpp) reads the blocks in place, with activations quantized to 8 bits per
-32 values in two passes (ACT_PASSES); elsewhere, or without a compiler, `reference`
+(ops/csrc/quant_gemm_cpu.cpp) reads the blocks in place, with generated tokens' activations
+quantized to int16 codes per 32 values; elsewhere, or without a compiler, `reference`
 dequantizes slices in torch and runs the dense matmul. A tied LM head and the embedding share one table: the embedding
 dequantizes the rows it looks up.
 """
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +36,18 @@ _ext = CpuKernel("flatserve_quant_gemm_cpu", _SRC,
 SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
 # Prompt tokens' rows (and, outside a step, calls of PROMPT_ROWS rows or more): the kernel
 # dequantizes DENSE_ROWS weight rows at a time (C++, the reference's bits) and torch's dense GEMM
-# runs on them: the int8 dot spends ~7 AVX2 instructions per 32 products, fp32 FMA 4, so prompt
+# runs on them: the quantized dot spends ~9 AVX2 instructions per 32 products, fp32 FMA 4, so prompt
 # chunks are compute-bound either way and the dense GEMM computes with unquantized activations.
-# Generated tokens' rows take the int8 kernel (_generated_rows).
+# Generated tokens' rows take the int16-activation kernel (_generated_rows).
 PROMPT_ROWS = 32
 DENSE_ROWS = 256
 MIN_GEMM_ROWS = 16  # the float GEMM pads fewer rows to this: see reference()
-# int8 passes per activation: pass p + 1 codes what passes 0..p missed, and the GEMM sums each
-# row's passes (ops/csrc/quant_gemm_cpu.cpp). One pass, llama.cpp's q8 activations, left 0.54%
-# relative error per linear (random x, K 768) and 95.9% teacher-forced top-1 agreement on the
-# default GGUF (tests/model/test_quant_fidelity.py with FLATSERVE_QUANT_ACT_PASSES=1); two meet
-# its 99% bar for twice the int8 dot products and no more weight bytes read
-# (docs/performance-cpu.md has both speeds).
-ACT_PASSES = int(os.environ.get("FLATSERVE_QUANT_ACT_PASSES", "2"))
+# Generated rows' activations: int16 codes, one fp32 scale per 32 values, each block's codes
+# stored in this order (ops/csrc/quant_gemm_cpu.cpp says why). int8 codes (llama.cpp's q8
+# activations) gave 95.9% teacher-forced top-1 agreement on the default GGUF, below
+# tests/model/test_quant_fidelity.py's 99% bar; int16 codes err 258x less for the same number of
+# multiplies per weight (one vpmaddwd per 16 products on AVX2).
+ACT_ORDER = tuple(range(8)) + tuple(range(16, 24)) + tuple(range(8, 16)) + tuple(range(24, 32))
 QUANTIZATIONS = ("int8", "q8_0", "q4_0")  # --quantization for float checkpoints
 
 
@@ -138,25 +136,25 @@ class QuantLinear(nn.Module):
         if gen is None:  # outside a step (tests, tools): by size, as a step of unknown rows
             gen = x2.shape[0] < PROMPT_ROWS
         if gen is True:
-            y = self._int8(ext, x2)
+            y = self._int16(ext, x2)
         elif gen is False:
             y = self.reference(x2, ext)
         else:  # a step mixing prompt chunks and generated tokens: each row on its own path
             y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
-            y[gen] = self._int8(ext, x2[gen])
+            y[gen] = self._int16(ext, x2[gen])
             y[~gen] = self.reference(x2[~gen], ext)
         return self._bias(y.reshape(*x.shape[:-1], self.out_features))
 
     def _bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
-    def _int8(self, ext: Any, x2: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        # int8 codes [ACT_PASSES * T, K] (passes interleaved), scale and scaled sum per 32 values
-        acts = ext.quantize_act(x2.contiguous(), ACT_PASSES)
+    def _int16(self, ext: Any, x2: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        # int16 codes [T, K] (ACT_ORDER per block), scale and scaled sum per 32 values
+        acts = ext.quantize_act(x2.contiguous())
         y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)
         col = 0
-        for fmt, q in self.segments():  # one unpacked weight row serves every code row
-            ext.gemm(*acts, q, fmt.ggml_type, y, col, ACT_PASSES)
+        for fmt, q in self.segments():  # one unpacked weight row serves every activation row
+            ext.gemm(*acts, q, fmt.ggml_type, y, col)
             col += q.shape[0]
         return y
 
@@ -203,10 +201,10 @@ class QuantLinear(nn.Module):
 
 
 def _generated_rows(rows: int) -> bool | torch.Tensor | None:
-    """Which of a step's rows take the int8 kernel: those of generated tokens (True), not those
+    """Which of a step's rows take the int16-activation kernel: those of generated tokens (True), not those
     of prompt tokens (False), or a bool mask [rows] where a step holds both; None outside a step.
 
-    Why per row: the int8 activations and the float GEMM round differently, and with the path
+    Why per row: the quantized activations and the float GEMM round differently, and with the path
     chosen by the step's row count a token's logits depended on what else was batched with it
     (benchmarks/load_disconnects.py, default GGUF, 64 concurrent: 232 of 899 greedy answers
     differed from the same prompt served alone). Rows that are not one per token (the LM head's

@@ -2,8 +2,8 @@
 // Q5_K, Q6_K, any row count (decode steps of 1-16 rows, prompt chunks of thousands).
 //
 // How (the scheme llama.cpp's CPU backend uses, written from its published block layouts):
-// activations are quantized per 32 values to int8 with one fp32 scale (`quantize_act`), and each
-// weight block is dotted against them in int8 -> int32, scaled once per 16 or 32 values. One
+// activations are quantized per 32 values to int16 with one fp32 scale (`quantize_act`), and each
+// weight block is dotted against them in int16 -> int32, scaled once per 16 or 32 values. One
 // weight row at a time is unpacked from its blocks into a common form that every format fits:
 //
 //   v[K] int8          the value codes (signed: q - 8, q - 16, q - 32; unsigned for Q4_K/Q5_K's
@@ -16,8 +16,20 @@
 //
 // The unpacked row (K bytes + K/8 floats) stays in L1 and serves every activation row of the
 // call, so a 16-row decode step reads each weight block from memory once. AVX2 (+FMA, F16C):
-// unpack and dot per 32 values in 256-bit registers, the int8 products by the sign trick
-// (maddubs(|w|, sign(x, w))). Without AVX2 the same arithmetic runs in plain C++.
+// unpack and dot per 32 values in 256-bit registers, the weight codes sign-extended to int16 and
+// multiplied by vpmaddwd. Without AVX2 the same arithmetic runs in plain C++.
+//
+// Why int16 activation codes (llama.cpp uses int8): int8 codes (amax / 127 per step) cost the
+// default GGUF 4 points of teacher-forced top-1 agreement (95.9% against its fp32 weights,
+// tests/model/test_quant_fidelity.py); int16 codes (amax / 32767) err 258x less, as little as
+// the two int8 passes (x, then what x's codes missed) this kernel ran before, for half their
+// multiplies: one vpmaddwd per 16 products, where two passes took two vpmaddubsw + two vpmaddwd
+// per 32. A product is at most 128 x 32767, so four of them (one int32 lane) stay below 2^24:
+// exact in fp32.
+//
+// A block's 32 codes are stored in the order 0-7, 16-23, 8-15, 24-31 (ACT_ORDER): vpmaddwd on
+// the weights' unpacklo/unpackhi halves then leaves values 0-15 (one 16-value scale) in lanes
+// 0-3 and 16-31 (the other) in lanes 4-7, so one conversion and one FMA scale both halves.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -240,15 +252,18 @@ void unpack_row(const uint8_t* src, const Layout& L, int fmt, int64_t K, Unpacke
                  r.mn + i * (L.block / 32));
 }
 
+// Stored position -> value index within a 32-value block of activation codes (its own inverse).
+constexpr int act_value(int pos) { return pos < 8 || pos >= 24 ? pos : pos < 16 ? pos + 8 : pos - 8; }
+
 struct Acts {  // activations quantized per 32 values
-  const int8_t* q;   // [M, K]
+  const int16_t* q;  // [M, K], each block in ACT_ORDER
   const float* d;    // [M, K/32]
   const float* s;    // [M, K/32]: d * sum of the block's codes
   int64_t K;
 };
 
 #if QG_AVX2
-// Decode-sized calls (at most 4 code rows: one or two decode rows' passes) dot each stored block
+// Decode-sized calls (at most 4 rows) dot each stored block
 // right after unpacking it into registers: the unpack buffer pays off only when many rows reuse
 // it, and its store and reload cost more than the dots at 2 rows (the default model's 4096 x 640
 // q5_0 gate_up at one decode row: 0.48 ms, 3.8 GB/s of weights). The values, scales and
@@ -261,7 +276,7 @@ struct DirectRow {
   float sc[16];  // the current super-block's 16-value scales (K formats)
 
   // Block b (32 values) -> its codes and the scales of its two 16-value halves.
-  inline void get(int64_t b, __m256i& wv, __m256& scv) {
+  __attribute__((always_inline)) inline void get(int64_t b, __m256i& wv, __m256& scv) {
     if (L.block == 32) {
       const uint8_t* blk = row + b * L.type_size;
       const float d = h2f(blk);
@@ -298,13 +313,13 @@ struct DirectRow {
       return;
     }
     if (c == 0) {  // Q4_K / Q5_K
-      const float d = h2f(sb), dmin = h2f(sb + 2);
       uint8_t sv[8], mv[8];
       k_scales(sb + 4, sv, mv);
-      for (int j = 0; j < 8; ++j) {
-        sc[j] = d * static_cast<float>(sv[j]);
-        mn[b + j] = dmin * static_cast<float>(mv[j]);
-      }
+      auto f8 = [](const uint8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      };  // d * s exactly as the scalar product: one rounding
+      _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(h2f(sb)), f8(sv)));
+      _mm256_storeu_ps(mn + b, _mm256_mul_ps(_mm256_set1_ps(h2f(sb + 2)), f8(mv)));
     }
     const __m256i q = ld(sb + (fmt == Q4_K ? 16 : 48) + 32 * (c / 2));
     __m256i v = c % 2 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m4) : _mm256_and_si256(q, m4);
@@ -324,21 +339,23 @@ struct DirectRow {
 template <int MT, typename Row>
 void dot_src(Row& w, const Acts& a, int64_t m0, bool mins, float* out) {
   const int64_t K = a.K, nb = K / 32;
-  const int8_t* xq[MT];
+  const int16_t* xq[MT];
   const float* xd[MT];
   for (int t = 0; t < MT; ++t) { xq[t] = a.q + (m0 + t) * K; xd[t] = a.d + (m0 + t) * nb; }
   __m256 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wv;
     __m256 scv;
     w.get(b, wv, scv);
-    const __m256i aw = _mm256_sign_epi8(wv, wv);
+    // int16 weights [0-7 | 16-23] and [8-15 | 24-31]: each byte doubled, then shifted down signed
+    const __m256i wa = _mm256_srai_epi16(_mm256_unpacklo_epi8(wv, wv), 8);
+    const __m256i wb = _mm256_srai_epi16(_mm256_unpackhi_epi8(wv, wv), 8);
     for (int t = 0; t < MT; ++t) {
-      const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(ld(xq[t] + 32 * b), wv));
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));  // lanes 0-3: values 0-15
-      acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, _mm256_set1_ps(xd[t][b])), acc[t]);
+      const int16_t* x = xq[t] + 32 * b;
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wa, ld(x)), _mm256_madd_epi16(wb, ld(x + 16)));
+      // lanes 0-3: values 0-15, lanes 4-7: values 16-31 (ACT_ORDER), as scv's scales
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scv, _mm256_set1_ps(xd[t][b])), acc[t]);
     }
   }
   for (int t = 0; t < MT; ++t) {
@@ -346,19 +363,21 @@ void dot_src(Row& w, const Acts& a, int64_t m0, bool mins, float* out) {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     out[t] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
   }
-  if (mins)
+  if (mins)  // K formats: nb is a multiple of 8; 8 lanes, not one latency-bound scalar chain
     for (int t = 0; t < MT; ++t) {
       const float* xs = a.s + (m0 + t) * nb;
-      float m = 0.f;
-      for (int64_t b = 0; b < nb; ++b) m += w.mn[b] * xs[b];
-      out[t] -= m;
+      __m256 m = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; b += 8) m = _mm256_fmadd_ps(_mm256_loadu_ps(w.mn + b), _mm256_loadu_ps(xs + b), m);
+      const __m128 m4 = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      const __m128 m2 = _mm_add_ps(m4, _mm_movehl_ps(m4, m4));
+      out[t] -= _mm_cvtss_f32(_mm_add_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
     }
 }
 
 struct BufferedRow {  // a row unpacked into the common form (or a raw Q8_0 row)
   const Unpacked& u;
   const float* mn = u.mn;
-  inline void get(int64_t b, __m256i& wv, __m256& scv) const {
+  __attribute__((always_inline)) inline void get(int64_t b, __m256i& wv, __m256& scv) const {
     if (u.raw) {
       const uint8_t* blk = u.raw + 34 * b;
       wv = ld(blk + 2);
@@ -380,7 +399,7 @@ template <int MT>
 void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* out) {
   const int64_t K = a.K, nb = K / 32;
   for (int t = 0; t < MT; ++t) {
-    const int8_t* xq = a.q + (m0 + t) * K;
+    const int16_t* xq = a.q + (m0 + t) * K;
     const float* xd = a.d + (m0 + t) * nb;
     float acc = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
@@ -388,8 +407,10 @@ void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* ou
       const float sc0 = w.raw ? h2f(w.raw + 34 * b) : w.sc[2 * b];
       const float sc1 = w.raw ? sc0 : w.sc[2 * b + 1];
       int32_t s0 = 0, s1 = 0;
-      for (int l = 0; l < 16; ++l) s0 += int32_t(v[l]) * xq[32 * b + l];
-      for (int l = 16; l < 32; ++l) s1 += int32_t(v[l]) * xq[32 * b + l];
+      for (int pos = 0; pos < 32; ++pos) {
+        const int l = act_value(pos);
+        (l < 16 ? s0 : s1) += int32_t(v[l]) * xq[32 * b + pos];
+      }
       acc += xd[b] * (sc0 * float(s0) + sc1 * float(s1));
     }
     if (mins) {
@@ -416,30 +437,24 @@ inline void store(T* p, float x) {
 // block stays in L1/L2 while every activation tile passes over it.
 constexpr int64_t NB = 16;
 
-// Activation rows come `passes` per output row (interleaved); their dots sum into it.
 template <typename T>
-void gemm_impl(const Acts& a, int64_t M, int passes, const uint8_t* w, int64_t N, int64_t row_bytes,
-               int fmt, T* out, int64_t ldo) {
+void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt,
+               T* out, int64_t ldo) {
   const Layout L = layout(fmt);
   const int64_t K = a.K;
-  const int64_t R = M * passes;  // activation code rows
 #if QG_AVX2
-  if (R <= 4 && R % passes == 0) {
+  if (M <= 4) {
     at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t c0, int64_t c1) {
       std::vector<float> mn(K / 32);
       DirectRow dr{nullptr, fmt, L, mn.data(), {}};
       float res[4];
       for (int64_t n = c0 * NB; n < std::min(N, c1 * NB); ++n) {
         dr.row = w + n * row_bytes;
-        if (R == 1) dot_src<1>(dr, a, 0, L.mins, res);
-        else if (R == 2) dot_src<2>(dr, a, 0, L.mins, res);
-        else if (R == 3) dot_src<3>(dr, a, 0, L.mins, res);
+        if (M == 1) dot_src<1>(dr, a, 0, L.mins, res);
+        else if (M == 2) dot_src<2>(dr, a, 0, L.mins, res);
+        else if (M == 3) dot_src<3>(dr, a, 0, L.mins, res);
         else dot_src<4>(dr, a, 0, L.mins, res);
-        for (int t = 0; t < R; t += passes) {
-          float y = res[t];
-          for (int p = 1; p < passes; ++p) y += res[t + p];
-          store(out + t / passes * ldo + n, y);
-        }
+        for (int t = 0; t < M; ++t) store(out + t * ldo + n, res[t]);
       }
     });
     return;
@@ -459,137 +474,107 @@ void gemm_impl(const Acts& a, int64_t M, int passes, const uint8_t* w, int64_t N
           unpack_row(w + (n0 + r) * row_bytes, L, fmt, K, rows[r]);
       }
       float res[4];
-      int64_t m0 = 0;  // 4 is a multiple of passes 1, 2 and 4
-      for (; m0 + 4 <= R && 4 % passes == 0; m0 += 4)
+      int64_t m0 = 0;
+      for (; m0 + 4 <= M; m0 += 4)
         for (int64_t r = 0; r < nn; ++r) {
           dot_rows<4>(rows[r], a, m0, L.mins, res);
-          for (int t = 0; t < 4; t += passes) {
-            float y = res[t];
-            for (int p = 1; p < passes; ++p) y += res[t + p];
-            store(out + (m0 + t) / passes * ldo + n0 + r, y);
-          }
+          for (int t = 0; t < 4; ++t) store(out + (m0 + t) * ldo + n0 + r, res[t]);
         }
-      // 1-3 rows left (a decode row's passes: R = 2): one dot for all of them, each row its
-      // own chain (two single-row dots, one after the other, were latency-bound: 31.5 ms for
-      // the default model's 262k-row LM head at one decode row, 5.7 GB/s of weights).
-      const int64_t rest = R - m0;
-      if (rest > 0 && rest < 4 && rest % passes == 0) {
+      // 1-3 rows left: one dot for all of them, each row its own chain (single-row dots one
+      // after the other were latency-bound).
+      const int64_t rest = M - m0;
+      if (rest > 0)
         for (int64_t r = 0; r < nn; ++r) {
           if (rest == 1) dot_rows<1>(rows[r], a, m0, L.mins, res);
           else if (rest == 2) dot_rows<2>(rows[r], a, m0, L.mins, res);
           else dot_rows<3>(rows[r], a, m0, L.mins, res);
-          for (int t = 0; t < rest; t += passes) {
-            float y = res[t];
-            for (int p = 1; p < passes; ++p) y += res[t + p];
-            store(out + (m0 + t) / passes * ldo + n0 + r, y);
-          }
-        }
-        m0 = R;
-      }
-      for (; m0 < R; m0 += passes)
-        for (int64_t r = 0; r < nn; ++r) {
-          float y = 0.f;
-          for (int p = 0; p < passes; ++p) {
-            dot_rows<1>(rows[r], a, m0 + p, L.mins, res);
-            y += res[0];
-          }
-          store(out + m0 / passes * ldo + n0 + r, y);
+          for (int t = 0; t < rest; ++t) store(out + (m0 + t) * ldo + n0 + r, res[t]);
         }
     }
   });
 }
 
-// One 32-value block: codes q of v (amax / 127 per step), its scale and scaled sum.
-inline void quantize_block(const float* v, int8_t* q, float* d, float* s) {
+// One 32-value block: int16 codes q of v (amax / 32767 per step) in ACT_ORDER, its scale and
+// scaled sum.
+inline void quantize_block(const float* v, int16_t* q, float* d, float* s) {
   float amax = 0.f;
   for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
-  const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+  const float dd = amax / 32767.f, id = amax > 0.f ? 32767.f / amax : 0.f;
   int32_t sum = 0;
-  for (int l = 0; l < 32; ++l) {
-    const int32_t c = static_cast<int32_t>(std::nearbyint(v[l] * id));
-    q[l] = static_cast<int8_t>(c);
+  for (int pos = 0; pos < 32; ++pos) {
+    const int32_t c = static_cast<int32_t>(std::nearbyint(v[act_value(pos)] * id));
+    q[pos] = static_cast<int16_t>(c);
     sum += c;
   }
   *d = dd;
   *s = dd * static_cast<float>(sum);
 }
 
-// One row's `passes` codes (q, d, s point at its first pass; pass p is p rows further): pass
-// p + 1 codes what passes 0..p missed. The residual is v - d * q rounded as torch rounds it (no
-// FMA), so tests can rebuild it in torch bit for bit. A named, never-inlined function: the
-// attribute does not reach a lambda's body, and with the loop inside parallel_for's lambda the
-// inlined copy (M <= 16 rows, run on the caller) had no FMA while the threaded copy contracted
-// one: a row's codes depended on how many rows shared the call (a token's logits on its batch).
+// A named, never-inlined function without FMA contraction: the attribute does not reach a
+// lambda's body, and with the loop inside parallel_for's lambda the inlined copy (M <= 16 rows,
+// run on the caller) and the threaded copy were compiled apart and once rounded differently: a
+// row's codes depended on how many rows shared the call (a token's logits on its batch).
 template <typename T>
 __attribute__((optimize("fp-contract=off"), noinline))
-void quantize_row(const T* x, int64_t K, int passes, int8_t* q, float* d, float* s) {
-  const int64_t nb = K / 32;
+void quantize_row(const T* x, int64_t K, int16_t* q, float* d, float* s) {
   float buf[32];
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < K / 32; ++b) {
     for (int l = 0; l < 32; ++l) buf[l] = static_cast<float>(x[32 * b + l]);
-    for (int pass = 0; pass < passes; ++pass) {
-      int8_t* o = q + pass * K + 32 * b;
-      quantize_block(buf, o, d + pass * nb + b, s + pass * nb + b);
-      const float dd = d[pass * nb + b];
-      for (int l = 0; l < 32; ++l) buf[l] = buf[l] - dd * static_cast<float>(o[l]);
-    }
+    quantize_block(buf, q + 32 * b, d + b, s + b);
   }
 }
 
-// `passes` codes per row, interleaved (row m's pass p is row m * passes + p).
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int passes, int8_t* q, float* d, float* s) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int16_t* q, float* d, float* s) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * K, K, passes, q + m * passes * K, d + m * passes * nb, s + m * passes * nb);
+    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * K, d + m * nb, s + m * nb);
   });
 }
 
 }  // namespace
 
-// x [M, K] -> int8 codes [M * passes, K], scales and scaled sums [M * passes, K / 32]; passes
-// interleaved per row (flatserve/model/quant.py's two-pass activations).
-std::vector<at::Tensor> quantize_act(const at::Tensor& x, int64_t passes) {
+// x [M, K] -> int16 codes [M, K] (each 32-value block in ACT_ORDER), scales and scaled sums
+// [M, K / 32].
+std::vector<at::Tensor> quantize_act(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0, "quantize_act: x [M, K%32==0] contiguous");
-  TORCH_CHECK(passes >= 1 && passes <= 4, "quantize_act: 1 to 4 passes");
-  const int64_t M = x.size(0), K = x.size(1), R = M * passes;
-  auto q = at::empty({R, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({R, K / 32}, x.options().dtype(at::kFloat));
-  auto s = at::empty({R, K / 32}, x.options().dtype(at::kFloat));
-  const int P = static_cast<int>(passes);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = at::empty({M, K}, x.options().dtype(at::kShort));
+  auto d = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  auto s = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
   if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), M, K, P, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+    quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>());
   else if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, P, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, q.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>());
   else if (x.scalar_type() == at::kHalf)
-    quantize_rows(x.data_ptr<at::Half>(), M, K, P, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+    quantize_rows(x.data_ptr<at::Half>(), M, K, q.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>());
   else
     TORCH_CHECK(false, "quantize_act: float32, bfloat16 or float16 activations");
   return {q, d, s};
 }
 
 // out[:, col : col + N] = x @ W^T for W [N, K] stored as `fmt` blocks (uint8 [N, row_bytes]);
-// x as quantize_act's `passes` interleaved code rows per row of out.
+// x as quantize_act's codes.
 void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& w,
-          int64_t fmt, at::Tensor& out, int64_t col, int64_t passes) {
-  const int64_t R = xq.size(0), K = xq.size(1), N = w.size(0);
-  TORCH_CHECK(passes >= 1 && R % passes == 0, "quant gemm: code rows ", R, " not a multiple of passes ", passes);
-  const int64_t M = R / passes;
+          int64_t fmt, at::Tensor& out, int64_t col) {
+  const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
+  TORCH_CHECK(xq.scalar_type() == at::kShort && xq.is_contiguous() && xd.is_contiguous() && xs.is_contiguous() &&
+              xd.size(0) == M && xd.size(1) == K / 32 && xs.sizes() == xd.sizes(),
+              "quant gemm: activations as quantize_act returns them");
   const Layout L = layout(static_cast<int>(fmt));
   TORCH_CHECK(K % L.block == 0 && w.size(1) == K / L.block * L.type_size && w.is_contiguous() &&
               w.scalar_type() == at::kByte, "quant gemm: weight bytes do not match K = ", K);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && col + N <= out.size(1),
               "quant gemm: out [M, >= col + N] with unit column stride");
-  const Acts a{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), K};
+  const Acts a{xq.data_ptr<int16_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), K};
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int P = static_cast<int>(passes), F = static_cast<int>(fmt);
+  const int F = static_cast<int>(fmt);
   if (out.scalar_type() == at::kFloat)
-    gemm_impl(a, M, P, wp, N, w.size(1), F, out.data_ptr<float>() + col, out.stride(0));
+    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<float>() + col, out.stride(0));
   else if (out.scalar_type() == at::kBFloat16)
-    gemm_impl(a, M, P, wp, N, w.size(1), F, out.data_ptr<at::BFloat16>() + col, out.stride(0));
+    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::BFloat16>() + col, out.stride(0));
   else if (out.scalar_type() == at::kHalf)
-    gemm_impl(a, M, P, wp, N, w.size(1), F, out.data_ptr<at::Half>() + col, out.stride(0));
+    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::Half>() + col, out.stride(0));
   else
     TORCH_CHECK(false, "quant gemm: float32, bfloat16 or float16 output");
 }
@@ -630,11 +615,11 @@ void dequant(const at::Tensor& w, int64_t fmt, at::Tensor& out) {
 std::string isa() { return QG_AVX2 ? "avx2" : "portable"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_act", &quantize_act, "x [M, K] -> int8 codes, scales, scaled sums per 32 values",
-        py::arg("x"), py::arg("passes") = 1);
+  m.def("quantize_act", &quantize_act, "x [M, K] -> int16 codes, scales, scaled sums per 32 values",
+        py::arg("x"));
   m.def("gemm", &gemm, "out[:, col:col+N] = x @ W^T, W as GGUF blocks read in place",
         py::arg("xq"), py::arg("xd"), py::arg("xs"), py::arg("w"), py::arg("fmt"), py::arg("out"),
-        py::arg("col"), py::arg("passes") = 1);
+        py::arg("col"));
   m.def("dequant", &dequant, "W's blocks -> dense rows (the torch reference's bits in fp32)");
   m.def("isa", &isa, "the vector path compiled in");
 }
