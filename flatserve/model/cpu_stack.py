@@ -8,7 +8,8 @@ those kernels (tests/test_cpu_stack.py); the layers stay the reference and run e
 stack does not take (prompt chunks, where host time is noise against 300 ms of GEMMs).
 
 It takes a model whose every layer runs on the C++ path: AMX or AVX2 linears (packed, the
-gate_up GEMM gated), the fused norm and rope ops, the CPU attention backend's decode kernel (head size a
+gate_up GEMM gated) or quantized ones (GGUF blocks, QuantLinear.pack; act_and_mul after the
+gate_up GEMM), the fused norm and rope ops, the CPU attention backend's decode kernel (head size a
 multiple of 16), one eps and norm offset. `build` returns None for anything else, and the
 runner then keeps the Python layers (`enforce_eager=True` does so on purpose).
 """
@@ -22,6 +23,7 @@ from torch import nn
 from flatserve.attention import cpu_backend
 from flatserve.attention.metadata import current_metadata
 from flatserve.kernel_build import CpuKernel
+from flatserve.model.amx import GATED_ACTS
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "decoder_stack_cpu.cpp"
 # No arithmetic of its own (it calls the other kernels' ops through torch's dispatcher): one
@@ -78,8 +80,10 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
     if ext is None:
         return None
     modules = [cpu_ops.module.name, gemm, cpu_backend.kernel.name]  # the op namespaces
-    stack = ext.Stack(modules, attn.hq, attn.hkv, attn.d, ref.eps, bool(ref.offset),
-                      first.mlp.gate_up_proj.act)
+    mlp = first.mlp
+    gated = mlp.gated  # AMX / AVX2: act in the gate_up GEMM; quantized: act_and_mul after it
+    act = mlp.gate_up_proj.act if gated else GATED_ACTS[mlp.act_name]
+    stack = ext.Stack(modules, attn.hq, attn.hkv, attn.d, ref.eps, bool(ref.offset), act, gated)
     ropes: list[nn.Module] = []
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
@@ -89,8 +93,8 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
             ropes.append(a.rotary)
         weight = [getattr(layer, n).weight if n else _EMPTY for n in norms]
         weight += [a.q_norm.weight, a.k_norm.weight] if a.qk_norm else [_EMPTY, _EMPTY]
-        linears = [a.qkv_proj.packed, a.qkv_proj.bias, a.o_proj.packed, a.o_proj.bias,
-                   mlp.gate_up_proj.packed, mlp.down_proj.packed]
+        linears = [_packed(a.qkv_proj), _bias(a.qkv_proj), _packed(a.o_proj), _bias(a.o_proj),
+                   _packed(mlp.gate_up_proj), _packed(mlp.down_proj)]
         p = a.params
         stack.add(weight, linears, list(a.kv_cache), p.scale, p.sliding_window or 0,
                   p.softcap or 0.0, rope)
@@ -98,14 +102,27 @@ def build(layers: nn.ModuleList, backend: object) -> CpuDecoderStack | None:
 
 
 def _gemm_op(linear: nn.Module) -> str | None:
-    """The stack's GEMM op, "module::op", for this model's linears (AMX or AVX2: one signature)."""
-    from flatserve.model import amx, avx2
+    """The stack's GEMM op, "module::op", for this model's linears (AMX, AVX2 or quantized: one
+    signature)."""
+    from flatserve.model import amx, avx2, quant
 
     if isinstance(linear, amx.AMXLinear) and amx.available(torch.bfloat16):
         return f"{amx._ext.name}::amx_linear"
     if isinstance(linear, avx2.AVX2Linear) and avx2.available(torch.bfloat16):
         return f"{avx2._ext.name}::avx2_linear"
+    if isinstance(linear, quant.QuantLinear) and quant.kernel() is not None:
+        return f"{quant._ext.name}::quant_linear"
     return None
+
+
+def _packed(linear: nn.Module) -> torch.Tensor:
+    from flatserve.model.quant import QuantLinear
+
+    return linear.pack() if isinstance(linear, QuantLinear) else linear.packed
+
+
+def _bias(linear: nn.Module) -> torch.Tensor:
+    return _EMPTY if linear.bias is None else linear.bias
 
 
 def _fits(layer: nn.Module, norms: tuple[str | None, ...], ref: nn.Module) -> bool:
@@ -113,6 +130,8 @@ def _fits(layer: nn.Module, norms: tuple[str | None, ...], ref: nn.Module) -> bo
     from flatserve.model.amx import AMXLinear
     from flatserve.model.avx2 import AVX2Linear
     from flatserve.model.layers import RMSNorm
+    from flatserve.model.quant import QuantLinear
+    from flatserve.ops import cpu_ops
 
     a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if a is None or mlp is None or a.kv_cache is None or a.fused is None or a.d % 16:
@@ -130,6 +149,11 @@ def _fits(layer: nn.Module, norms: tuple[str | None, ...], ref: nn.Module) -> bo
                and m.offset == ref.offset for m in rms):
         return False
     lin = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if a.kv_cache[0].dtype != torch.bfloat16:
+        return False
+    if all(type(m) is QuantLinear for m in lin):  # generated rows only: the int16 kernel's path
+        return (all(m.use_kernel and not m.perm.numel() for m in lin) and not mlp.gated
+                and mlp.fused is cpu_ops.act_and_mul and mlp.act_name in GATED_ACTS)
     kind = type(a.qkv_proj) if isinstance(a.qkv_proj, (AMXLinear, AVX2Linear)) else None
     return (kind is not None and all(type(m) is kind and not m.plain for m in lin) and mlp.gated
-            and not mlp.down_proj.act and a.kv_cache[0].dtype == torch.bfloat16)
+            and not mlp.down_proj.act)

@@ -82,6 +82,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("perm", torch.empty(0, dtype=torch.int64))
         self.loaded: set[str] = set()
         self.use_kernel = True  # False: the torch reference (tests)
+        self.packed: torch.Tensor | None = None  # pack(): the decoder stack's one-tensor form
 
     def segments(self) -> list[tuple[Format, torch.Tensor]]:
         return [(f, getattr(self, f"qweight{i}")) for i, f in enumerate(self.fmts)]
@@ -110,6 +111,29 @@ class QuantLinear(nn.Module):
         """Rows `ids` of W as fp32 [len(ids), K] (single-segment tables: the embedding)."""
         assert len(self.fmts) == 1
         return dequantize(self.qweight0[ids], self.fmts[0], self.in_features)
+
+    def pack(self) -> torch.Tensor:
+        """The linear as one uint8 tensor for the C++ decoder stack's `quant_linear` op: int64
+        header words (segments, K, N, then per segment format, rows, row bytes, byte offset),
+        then each segment's blocks 64-byte aligned. The segments' buffers become views of it, so
+        the weights are not held twice; the Python path reads the same bytes."""
+        if self.packed is not None:
+            return self.packed
+        segs = self.segments()
+        words = [len(segs), self.in_features, self.out_features]
+        off = -(-8 * (3 + 4 * len(segs)) // 64) * 64
+        for fmt, q in segs:
+            words += [fmt.ggml_type, q.shape[0], q.shape[1], off]
+            off += -(-q.numel() // 64) * 64
+        buf = torch.zeros(off, dtype=torch.uint8)
+        buf[:8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+        for i, (_, q) in enumerate(segs):
+            start = words[6 + 4 * i]
+            view = buf[start:start + q.numel()].view(q.shape)
+            view.copy_(q)
+            setattr(self, f"qweight{i}", view)
+        self.packed = buf
+        return buf
 
     def weight_bytes(self) -> int:
         return sum(q.numel() for _, q in self.segments())

@@ -13,7 +13,8 @@
 //   q, k, v = split(qkv(h)); q, k = rope(qk_norm(q, k)); KV write; o = attend(q)
 //   a = attn_out_norm(o_proj(o))                 (Gemma's post_attention_layernorm)
 //   h, res = mlp_in_norm(a + res)                (with the line above: one rms_norm_pair call)
-//   h = mlp_out_norm(down(act(gate) * up))       (the gate_up GEMM applies act in its epilogue)
+//   h = mlp_out_norm(down(act(gate) * up))       (the gate_up GEMM applies act in its epilogue;
+//                                                 quantized linears: act_and_mul after it)
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -36,6 +37,7 @@ struct Ops {
   using Norm = Tensor(const Tensor&, const Tensor&, double, bool, Tensor);
   using NormPair = Tensor(const Tensor&, const Tensor&, const Tensor&, double, bool, Tensor);
   using Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t);
+  using ActMul = Tensor(const Tensor&, bool);
   using Rope = void(Tensor, Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     double, bool, bool);
   using WriteKv = void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&);
@@ -43,17 +45,20 @@ struct Ops {
                         const Tensor&, double, int64_t, double, const Tensor&,
                         const c10::optional<Tensor>&, const c10::optional<Tensor>&);
   // fused: the element-wise ops' module, gemm: the GEMM's ("module::op": the AMX kernel's
-  // amx_linear or the AVX2 kernel's avx2_linear, the same signature), attn: the decode kernel's.
+  // amx_linear, the AVX2 kernel's avx2_linear or the quantized kernel's quant_linear, the same
+  // signature), attn: the decode kernel's.
   Ops(const std::string& fused, const std::string& gemm, const std::string& attn)
       : rms_norm(find_op<Norm>(fused, "rms_norm")),
         rms_norm_pair(find_op<NormPair>(fused, "rms_norm_pair")),
         linear(find_op<Linear>(gemm.substr(0, gemm.find("::")), gemm.substr(gemm.find("::") + 2).c_str())),
+        act_and_mul(find_op<ActMul>(fused, "act_and_mul")),
         qk_norm_rope(find_op<Rope>(fused, "qk_norm_rope")),
         write_kv(find_op<WriteKv>(attn, "write_kv")),
         paged_decode(find_op<Decode>(attn, "paged_decode")) {}
   c10::TypedOperatorHandle<Norm> rms_norm;
   c10::TypedOperatorHandle<NormPair> rms_norm_pair;
   c10::TypedOperatorHandle<Linear> linear;
+  c10::TypedOperatorHandle<ActMul> act_and_mul;
   c10::TypedOperatorHandle<Rope> qk_norm_rope;
   c10::TypedOperatorHandle<WriteKv> write_kv;
   c10::TypedOperatorHandle<Decode> paged_decode;
@@ -62,7 +67,7 @@ struct Ops {
 // One layer's tensors; an absent norm or bias is an empty tensor.
 struct Layer {
   Tensor in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm;
-  Tensor qkv, qkv_bias, o, o_bias, gate_up, down;  // packed weights (AMX or AVX2 layout)
+  Tensor qkv, qkv_bias, o, o_bias, gate_up, down;  // packed weights (AMX, AVX2 or quantized layout)
   Tensor k_cache, v_cache;                          // [num_blocks, block_size, Hkv, D]
   double scale = 1.0, softcap = 0.0;
   int64_t window = 0, rope = 0;  // rope: index into the step's cos|sin tables
@@ -70,10 +75,11 @@ struct Layer {
 
 class Stack {
  public:
+  // gated_gemm: the gate_up GEMM applies act(gate) * up itself (AMX, AVX2); else act_and_mul.
   Stack(const std::vector<std::string>& modules, int64_t hq, int64_t hkv, int64_t d, double eps,
-        bool offset, int64_t act)
+        bool offset, int64_t act, bool gated_gemm)
       : ops_(modules.at(0), modules.at(1), modules.at(2)), hq_(hq), hkv_(hkv), d_(d), eps_(eps),
-        offset_(offset), act_(act) {
+        offset_(offset), act_(act), gated_gemm_(gated_gemm) {
     TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0 && d % 16 == 0 && act >= 1 && act <= 2,
                 "decoder stack: head shapes (head size a multiple of 16) and a gated activation");
   }
@@ -117,7 +123,9 @@ class Stack {
                     cu_seqlens_q);
       h = l.attn_out_norm.numel() ? pair(h, l.attn_out_norm, l.mlp_in_norm, residual)
                                   : norm(h, l.mlp_in_norm, residual);
-      h = ops_.linear.call(ops_.linear.call(h, l.gate_up, empty_, act_), l.down, empty_, 0);
+      h = gated_gemm_ ? ops_.linear.call(h, l.gate_up, empty_, act_)
+                      : ops_.act_and_mul.call(ops_.linear.call(h, l.gate_up, empty_, 0), act_ == 2);
+      h = ops_.linear.call(h, l.down, empty_, 0);
       pending = l.mlp_out_norm.numel() ? &l.mlp_out_norm : nullptr;
     }
     if (pending) h = norm(h, *pending);
@@ -158,6 +166,7 @@ class Stack {
   double eps_;
   bool offset_;
   int64_t act_;
+  bool gated_gemm_;
   Tensor empty_ = at::empty({0}, at::kBFloat16);
   Tensor no_sinks_ = at::empty({0}, at::kFloat);
 };
@@ -167,8 +176,8 @@ class Stack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack>(m, "Stack")
       .def(py::init<const std::vector<std::string>&, int64_t, int64_t, int64_t, double, bool,
-                    int64_t>(), py::arg("modules"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
-           py::arg("eps"), py::arg("offset"), py::arg("act"))
+                    int64_t, bool>(), py::arg("modules"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
+           py::arg("eps"), py::arg("offset"), py::arg("act"), py::arg("gated_gemm") = true)
       .def("add", &Stack::add, "one decoder layer's tensors, in order")
       .def("forward", &Stack::forward, "(h, residual) through every layer -> [h, residual]",
            py::call_guard<py::gil_scoped_release>());

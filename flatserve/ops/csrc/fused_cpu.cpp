@@ -532,4 +532,5 @@ TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
         "-> Tensor", &rms_norm_pair);
   m.def("qk_norm_rope(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor table, Tensor q_w, "
         "Tensor k_w, float eps, bool norm, bool offset) -> ()", &qk_norm_rope);
+  m.def("act_and_mul(Tensor x, bool gelu) -> Tensor", &act_and_mul);
 }

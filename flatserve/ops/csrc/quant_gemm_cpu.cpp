@@ -612,6 +612,51 @@ void dequant(const at::Tensor& w, int64_t fmt, at::Tensor& out) {
   });
 }
 
+// One packed linear (QuantLinear.pack): int64 header words nseg, K, N, then per segment fmt,
+// rows, row_bytes, byte offset; the segments' blocks follow. x [T, K] -> x @ W^T (+ bias) [T, N]
+// in x's dtype, on int16 activation codes: QuantLinear._int16's arithmetic and bits, in one
+// call, so the C++ decoder stack (decoder_stack_cpu.cpp) can call it through the dispatcher
+// with the AVX2 and AMX linears' signature. act must be 0: the stack applies act_and_mul.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t act) {
+  TORCH_CHECK(act == 0, "quant_linear: no fused activation (the stack calls act_and_mul)");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
+              packed.numel() >= 24, "quant_linear: a packed uint8 linear");
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  auto word = [&](int64_t i) {
+    int64_t v;
+    std::memcpy(&v, base + 8 * i, 8);
+    return v;
+  };
+  const int64_t nseg = word(0), K = word(1), N = word(2);
+  TORCH_CHECK(nseg >= 1 && packed.numel() >= 8 * (3 + 4 * nseg), "quant_linear: header");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "quant_linear: x [T, ", K, "]");
+  TORCH_CHECK(!bias.numel() || (bias.numel() == N && bias.is_contiguous()), "quant_linear: bias [N]");
+  const std::vector<at::Tensor> acts = quantize_act(x.contiguous());
+  const Acts a{acts[0].data_ptr<int16_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<float>(), K};
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  int64_t col = 0;
+  for (int64_t i = 0; i < nseg; ++i) {
+    const int64_t fmt = word(3 + 4 * i), rows = word(4 + 4 * i), row_bytes = word(5 + 4 * i),
+                  off = word(6 + 4 * i);
+    const Layout L = layout(static_cast<int>(fmt));
+    TORCH_CHECK(row_bytes == K / L.block * L.type_size && off >= 0 && rows >= 0 && col + rows <= N &&
+                off + rows * row_bytes <= packed.numel(), "quant_linear: segment ", i, " out of bounds");
+    const uint8_t* wp = base + off;
+    const int F = static_cast<int>(fmt);
+    if (out.scalar_type() == at::kFloat)
+      gemm_impl(a, x.size(0), wp, rows, row_bytes, F, out.data_ptr<float>() + col, N);
+    else if (out.scalar_type() == at::kBFloat16)
+      gemm_impl(a, x.size(0), wp, rows, row_bytes, F, out.data_ptr<at::BFloat16>() + col, N);
+    else if (out.scalar_type() == at::kHalf)
+      gemm_impl(a, x.size(0), wp, rows, row_bytes, F, out.data_ptr<at::Half>() + col, N);
+    else
+      TORCH_CHECK(false, "quant_linear: float32, bfloat16 or float16 x");
+    col += rows;
+  }
+  TORCH_CHECK(col == N, "quant_linear: segments cover ", col, " of ", N, " rows");
+  return bias.numel() ? out + bias : out;
+}
+
 std::string isa() { return QG_AVX2 ? "avx2" : "portable"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -621,5 +666,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("xq"), py::arg("xd"), py::arg("xs"), py::arg("w"), py::arg("fmt"), py::arg("out"),
         py::arg("col"));
   m.def("dequant", &dequant, "W's blocks -> dense rows (the torch reference's bits in fp32)");
+  m.def("quant_linear", &quant_linear, "x @ W^T (+ bias) for a packed linear (QuantLinear.pack)");
   m.def("isa", &isa, "the vector path compiled in");
+}
+
+// For the C++ decoder stack, which calls it through torch's dispatcher (the op namespace is
+// the module's name).
+TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear(Tensor x, Tensor w_packed, Tensor bias, int act) -> Tensor", &quant_linear);
 }
