@@ -35,12 +35,15 @@ _ext = CpuKernel("flatserve_quant_gemm_cpu", _SRC,
                   "quantized linears dequantize slices in torch")
 SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
 # Prompt tokens' rows (and, outside a step, calls of PROMPT_ROWS rows or more): the kernel
-# dequantizes DENSE_ROWS weight rows at a time (C++, the reference's bits) and torch's dense GEMM
-# runs on them: the quantized dot spends ~9 AVX2 instructions per 32 products, fp32 FMA 4, so prompt
+# dequantizes up to DENSE_BYTES of fp32 weight rows at a time (C++, the reference's bits: every
+# linear of the default model in one piece) and torch's dense GEMM runs on them. One GEMM per
+# linear, not one per 256 rows: each piece re-read the whole activation chunk and wrote a strided
+# slice of the output (the default GGUF's prompt steps, 3,514 tokens: 6.2 s of linears in 256-row
+# pieces; docs/performance-cpu.md has the figure now): the quantized dot spends ~9 AVX2 instructions per 32 products, fp32 FMA 4, so prompt
 # chunks are compute-bound either way and the dense GEMM computes with unquantized activations.
 # Generated tokens' rows take the int16-activation kernel (_generated_rows).
 PROMPT_ROWS = 32
-DENSE_ROWS = 256
+DENSE_BYTES = 16 << 20
 MIN_GEMM_ROWS = 16  # the float GEMM pads fewer rows to this: see reference()
 # Generated rows' activations: int16 codes, one fp32 scale per 32 values, each block's codes
 # stored in this order (ops/csrc/quant_gemm_cpu.cpp says why). int8 codes (llama.cpp's q8
@@ -190,7 +193,7 @@ class QuantLinear(nn.Module):
         return all(f.name in KERNEL_FORMATS for f in self.fmts)
 
     def reference(self, x: torch.Tensor, ext: object | None = None) -> torch.Tensor:
-        """Dequantize slices of rows (SLICE_BYTES of fp32 in torch; DENSE_ROWS with the C++
+        """Dequantize slices of rows (SLICE_BYTES of fp32 in torch; DENSE_BYTES with the C++
         kernel, the same bits) and run the dense matmul in x's dtype."""
         out_dtype = x.dtype
         rows = x.shape[0] if x.dim() == 2 else None
@@ -205,8 +208,11 @@ class QuantLinear(nn.Module):
             # token chunks) spent 0.37 s a call here in bf16, 0.06 s in fp32 (2-core EPYC, cProfile).
             x = x.float()
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
-        step = DENSE_ROWS if ext is not None else max(1, SLICE_BYTES // (4 * self.in_features))
-        buf = torch.empty(step, self.in_features, dtype=x.dtype) if ext is not None else None
+        step = max(1, (DENSE_BYTES if ext is not None else SLICE_BYTES) // (4 * self.in_features))
+        buf = None
+        if ext is not None:
+            buf = torch.empty(min(step, max(q.shape[0] for _, q in self.segments())), self.in_features,
+                              dtype=x.dtype)
         col = 0
         for fmt, q in self.segments():
             for i in range(0, q.shape[0], step):
@@ -215,7 +221,10 @@ class QuantLinear(nn.Module):
                     ext.dequant(q[i:i + step], fmt.ggml_type, w)
                 else:
                     w = dequantize(q[i:i + step], fmt, self.in_features).to(x.dtype)
-                y[..., col + i:col + i + w.shape[0]] = x @ w.t()
+                if w.shape[0] == self.out_features:  # one piece: the GEMM writes y itself
+                    torch.matmul(x, w.t(), out=y)
+                else:
+                    y[..., col + i:col + i + w.shape[0]] = x @ w.t()
             col += q.shape[0]
         return y.to(out_dtype)
 
