@@ -1,6 +1,6 @@
 """Where a CPU decode step goes: torch profiler over 5 engine steps at N concurrent requests.
 
-    .venv/bin/python benchmarks/dev/cpu_profile_step.py 1 [--quantization int8]
+    .venv/bin/python benchmarks/dev/cpu_profile_step.py 1 [--quantization int8 | --dequantize]
     .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--attention-backend B]
         [--ngram K] [--cpu-gemm amx|onednn|torch]
     .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 --generate [--eager]
@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("n", type=int)
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--dequantize", action="store_true", help="the GGUF dequantized to bf16 (dense path)")
     ap.add_argument("--by-kernel", action="store_true")
     ap.add_argument("--prefill", action="store_true",
                     help="with --by-kernel: split the prompt steps instead of decode steps")
@@ -50,7 +51,7 @@ def main() -> None:
     spec = dict(speculative_method="ngram", num_speculative_tokens=a.ngram) if a.ngram else {}
     llm = LLM(dtype="bfloat16", max_num_seqs=a.n, max_model_len=4096, kv_cache_memory=512 * 2**20,
               quantization=a.quantization, attention_backend=a.attention_backend,
-              cpu_gemm=a.cpu_gemm, enforce_eager=a.eager, **spec)
+              cpu_gemm=a.cpu_gemm, enforce_eager=a.eager, dequantize=a.dequantize, **spec)
     eng = llm.engine
     rng = random.Random(0)
     for _ in range(a.n):
