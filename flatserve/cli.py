@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(faster decode, +335 MB for the default model) instead of reading the "
                         "embedding table in place")
     p.add_argument("--greedy-int8-head", action=argparse.BooleanOptionalAction, default=True,
-                   help="with the AMX linears: greedy rows find their argmax through a one-byte "
+                   help="with the AMX or AVX2 linears: greedy rows find their argmax through a one-byte "
                         "(7-bit) copy of the LM head with exact bounds (same tokens; +171 MB for "
                         "the default model)")
     p.add_argument("--fused-ops", default="auto",

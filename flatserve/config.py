@@ -47,7 +47,7 @@ class EngineConfig:
     # amx: a tied LM head is read in place from the embedding table; True packs a copy instead
     # (+335 MB for the default model; decode steps at 16 requests ~5% faster on the dev box).
     copy_tied_lm_head: bool = False
-    # amx: greedy rows take their argmax from a one-byte (7-bit) copy of the LM head with exact
+    # amx, avx2: greedy rows take their argmax from a one-byte (7-bit) copy of the LM head with exact
     # bounds, rescoring the few rows that can win in bf16 (flatserve/model/greedy_head.py): the
     # same tokens, half the head's bytes, +171 MB for the default model.
     greedy_int8_head: bool = True

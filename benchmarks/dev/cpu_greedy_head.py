@@ -1,4 +1,5 @@
-"""The default model's LM head for greedy rows: bf16 head + argmax vs the bounded 7-bit greedy head.
+"""The default model's LM head (dequantized to bf16) for greedy rows: bf16 head + argmax vs the
+bounded 7-bit greedy head, on the AMX or the AVX2 kernel (whichever the CPU runs).
 
     .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30]
 
@@ -29,10 +30,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args()
-    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096)
+    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, dequantize=True)  # the bf16 head
     model = llm.engine.runner.model
     greedy = llm.engine.runner.greedy_head
-    assert greedy is not None, "needs the AMX path with greedy_int8_head on"
+    assert greedy is not None, "needs the AMX or AVX2 path with greedy_int8_head on"
     hidden: list[torch.Tensor] = []
     orig = model.compute_logits
 

@@ -365,14 +365,16 @@ def _pack(model: torch.nn.Module, device: torch.device, gemm: str, copy_tied: bo
 
 
 def _greedy_head(model: torch.nn.Module, mcfg: ModelConfig, gemm: str) -> torch.nn.Module | None:
-    """The 7-bit bounded greedy head where its argmax is the model's: an AMX LM head without
-    bias whose logits are used as they are (no softcap); else None."""
-    from flatserve.model import amx
+    """The 7-bit bounded greedy head where its argmax is the model's: an AMX or AVX2 LM head
+    (the AVX2 kernel's vector build) without bias whose logits are used as they are (no
+    softcap); else None."""
+    from flatserve.model import amx, avx2
     from flatserve.model.greedy_head import Int8GreedyHead
 
     head = getattr(model, "lm_head", None)
-    if gemm != "amx" or not isinstance(head, amx.AMXLinear) or head.bias.numel() \
-            or mcfg.final_logit_softcap is not None:
+    ok = (gemm == "amx" and isinstance(head, amx.AMXLinear)) or \
+        (gemm == "avx2" and isinstance(head, avx2.AVX2Linear) and head.ext.vectorized())
+    if not ok or head.bias.numel() or mcfg.final_logit_softcap is not None:
         return None
     return Int8GreedyHead(head)
 

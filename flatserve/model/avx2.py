@@ -96,8 +96,12 @@ class AVX2Linear(nn.Module):
         return self.weight if self.plain else unpack(self.packed)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """W[idx] [U, K], contiguous."""
-        return self.plain_weight().index_select(0, idx)
+        """W[idx] [U, K], contiguous (packed: gathered from the panels, not a whole unpack)."""
+        if self.plain:
+            return self.weight.index_select(0, idx)
+        assert not self.act, "a gated linear's panels are interleaved"
+        r = idx % 16  # row r of a panel sits in lane (r % 8) * 2 + r // 8 (pack, unpack)
+        return self.packed[idx // 16, :, (r % 8) * 2 + r // 8].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         flat = x.dim() == 2

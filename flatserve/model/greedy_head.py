@@ -1,4 +1,4 @@
-"""Exact greedy decoding that reads half the LM head's bytes (CPU, AMX; `greedy_int8_head`).
+"""Exact greedy decoding that reads half the LM head's bytes (CPU, AMX or AVX2; `greedy_int8_head`).
 
 Why: at 16 requests the bf16 LM head of Gemma 3 270M (262k x 640, 335 MB) is ~13.7 ms of a
 ~37 ms decode step, and a step cannot read it faster than DRAM does (~27 GB/s here). For greedy
@@ -42,7 +42,9 @@ from torch import nn
 
 from flatserve import kernels
 
-MAX_ROWS = 16  # one tile of tokens; verify steps with more rows take the bf16 head
+# One tile of tokens; verify steps with more rows take the bf16 head. On AVX2 too: the bounded
+# head took 0.64-0.74x the bf16 head's time at 1-16 rows (benchmarks/dev/cpu_greedy_head.py).
+MAX_ROWS = 16
 UNION_CAP = 8  # past N / UNION_CAP candidate rows, gathering them costs more than the head
 LEVELS = 63  # |q| <= 63: u = q + 64 in [1, 127]
 
@@ -89,9 +91,10 @@ def x_stats(x: torch.Tensor) -> torch.Tensor:
 
 
 class Int8GreedyHead(nn.Module):
-    """tokens = argmax over the vocabulary of `head(x)`: the model's LM head, an AMXLinear
-    (plain or packed) without bias, whose logits the model uses as they are (no softcap);
-    `head.rows(idx)` gives the bf16 rows the candidates are rescored with."""
+    """tokens = argmax over the vocabulary of `head(x)`: the model's LM head, an AMXLinear or
+    AVX2Linear (plain or packed) without bias, whose logits the model uses as they are (no
+    softcap); `head.rows(idx)` gives the bf16 rows the candidates are rescored with, through the
+    head's own kernel (each logit the same bits whichever rows share the call)."""
 
     def __init__(self, head: nn.Module) -> None:
         super().__init__()

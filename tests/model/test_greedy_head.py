@@ -1,7 +1,8 @@
-"""The bounded 7-bit greedy head (flatserve/model/greedy_head.py): its token is the bf16 AMX head's
-`row_argmax` exactly (ties to the first index included) on fresh random heads, plain and packed;
-its error bound holds against a float64 reference; bad rows fall back; and whole-model greedy
-generation is token-identical with the head on and off."""
+"""The bounded 7-bit greedy head (flatserve/model/greedy_head.py), on the AMX kernel and on the
+AVX2 one, each where the CPU runs it: its token is the bf16 head's `row_argmax` exactly (ties to
+the first index included) on fresh random heads, plain and packed; its error bound holds against
+a float64 reference; bad rows fall back; and whole-model greedy generation is token-identical
+with the head on and off."""
 from __future__ import annotations
 
 import random
@@ -10,29 +11,49 @@ import pytest
 import torch
 
 from flatserve import kernels
-from flatserve.model import amx, greedy_head
+from flatserve.model import amx, avx2, greedy_head
 from flatserve.model.greedy_head import Int8GreedyHead, quantize_7bit, x_stats
 
-needs_amx = pytest.mark.usefixtures("amx_kernel")  # the amx level; skips where the CPU has none
+
+def _avx2_vector() -> bool:
+    return avx2.available(torch.bfloat16) and avx2._ext().vectorized()
 
 
-def _head(n: int, k: int, plain: bool, dup: list[tuple[int, int]]) -> amx.AMXLinear:
+GEMMS = ["amx", pytest.param("avx2", marks=pytest.mark.skipif(
+    not _avx2_vector(), reason="no AVX2 + FMA here, or its kernel did not build"))]
+
+
+@pytest.fixture(params=GEMMS)
+def gemm(request, monkeypatch) -> str:
+    if request.param == "amx":  # the amx level (skips where the CPU has none), its kernel built
+        from tests.conftest import _at_level, require_kernel
+
+        _at_level("amx", monkeypatch)
+        require_kernel(amx._ext)
+        assert amx.available(torch.bfloat16), "AMX kernel built but not available (OS tile grant, oneDNN)"
+    return request.param
+
+
+def _linear(gemm: str, w: torch.Tensor, plain: bool = True) -> torch.nn.Module:
+    return (amx.AMXLinear if gemm == "amx" else avx2.AVX2Linear)(w, None, plain=plain)
+
+
+def _head(gemm: str, n: int, k: int, plain: bool, dup: list[tuple[int, int]]) -> torch.nn.Module:
     w = (torch.randn(n, k) * torch.rand(n, 1) * 0.1).bfloat16()
     for a, b in dup:  # exact ties: the first index must win (row b at the largest scale)
         w[b] = (torch.randn(k) * 0.1).bfloat16()
         w[a] = w[b]
-    return amx.AMXLinear(w, None, plain=plain)
+    return _linear(gemm, w, plain)
 
 
-@needs_amx
 @pytest.mark.parametrize("plain", [True, False])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_tokens_equal_the_bf16_head_argmax(plain: bool, rows: int, monkeypatch) -> None:
+def test_tokens_equal_the_bf16_head_argmax(gemm: str, plain: bool, rows: int, monkeypatch) -> None:
     monkeypatch.setattr(greedy_head, "UNION_CAP", 1)  # never skip the bounded path here
     n = 64 * random.randint(8, 200)
     k = 32 * random.choice([3, 20])  # an odd number of k steps, and the default model's 640
     a, b = sorted(random.sample(range(n), 2))
-    head = _head(n, k, plain, [(a, b)])
+    head = _head(gemm, n, k, plain, [(a, b)])
     greedy = Int8GreedyHead(head)
     x = torch.randn(rows, k)
     x[:, random.randrange(k)] *= 30  # an outlier channel, as real hidden states have
@@ -45,8 +66,7 @@ def test_tokens_equal_the_bf16_head_argmax(plain: bool, rows: int, monkeypatch) 
     assert greedy.calls == 1 and greedy.fallbacks == 0
 
 
-@needs_amx
-def test_ties_one_bf16_step_apart(monkeypatch) -> None:
+def test_ties_one_bf16_step_apart(gemm: str, monkeypatch) -> None:
     """Rows that differ from the winner by one bf16 ulp in one weight: logits equal or one
     rounding step apart after the head's bf16 rounding; the first maximum must still win."""
     n, k = 64 * 40, 640
@@ -59,13 +79,12 @@ def test_ties_one_bf16_step_apart(monkeypatch) -> None:
         w[row, j] = torch.nextafter(w[row, j].float(), torch.tensor(1e9)).bfloat16() \
             if w[row, j] > 0 else w[row, j]
     monkeypatch.setattr(greedy_head, "UNION_CAP", 1)
-    head = amx.AMXLinear(w, None, plain=True)
+    head = _linear(gemm, w)
     greedy = Int8GreedyHead(head)
     assert torch.equal(greedy(x), kernels.row_argmax(head(x))) and greedy.fallbacks == 0
 
 
-@needs_amx
-def test_bound_holds_against_float64() -> None:
+def test_bound_holds_against_float64(gemm: str) -> None:
     """|s (x . q) - x . w| <= |x|_1 c in float64 (the quantization part of the bound), and each
     token's candidates hold every row at the bf16 head's maximum."""
     n, k = 64 * 50, 640
@@ -78,7 +97,7 @@ def test_bound_holds_against_float64() -> None:
     exact = x.double() @ w.double().t()
     bound = x.double().abs().sum(1, keepdim=True) * c.double()
     assert ((est - exact).abs() <= bound).all()
-    head = amx.AMXLinear(w, None, plain=True)
+    head = _linear(gemm, w)
     greedy = Int8GreedyHead(head)
     off, cand, union = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
                                                   x_stats(x))
@@ -91,8 +110,7 @@ def test_bound_holds_against_float64() -> None:
         assert sorted(mine) == cand[off[t]:off[t + 1]].tolist()  # ascending, no repeats
 
 
-@needs_amx
-def test_the_bound_covers_what_the_split_of_x_drops() -> None:
+def test_the_bound_covers_what_the_split_of_x_drops(gemm: str) -> None:
     """The kernel splits x into integers at 16 bits of max|x|; an outlier channel makes the
     other channels round to zero there. Row b gains only through those channels (its logit
     ~8.9), row a through one channel that survives (~2.0): the kernel's estimates rank a first,
@@ -102,7 +120,7 @@ def test_the_bound_covers_what_the_split_of_x_drops() -> None:
     w[b] = 63 / 64
     w[b, m] = w[b, out] = 0
     w[a, m] = 40 / 64
-    head = amx.AMXLinear(w.bfloat16(), None, plain=True)
+    head = _linear(gemm, w.bfloat16())
     greedy = Int8GreedyHead(head)
     sx = 1024 / 32639  # the kernel's scale for max|x| = 1024
     x = torch.full((1, k), 0.45 * sx)
@@ -116,9 +134,8 @@ def test_the_bound_covers_what_the_split_of_x_drops() -> None:
     assert greedy(x).item() == b
 
 
-@needs_amx
-def test_nan_and_many_rows_take_the_full_head() -> None:
-    head = _head(64 * 20, 64, True, [])
+def test_nan_and_many_rows_take_the_full_head(gemm: str) -> None:
+    head = _head(gemm, 64 * 20, 64, True, [])
     greedy = Int8GreedyHead(head)
     x = torch.randn(3, 64).bfloat16()
     x[1, 5] = float("nan")
@@ -129,9 +146,8 @@ def test_nan_and_many_rows_take_the_full_head() -> None:
     assert torch.equal(greedy(flat), kernels.row_argmax(head(flat))) and greedy.fallbacks == 3
 
 
-@needs_amx
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])  # tied (plain) / untied (packed) head
-def test_greedy_generation_identical_with_the_head_on_and_off(family: str, tmp_path,
+def test_greedy_generation_identical_with_the_head_on_and_off(gemm: str, family: str, tmp_path,
                                                               monkeypatch) -> None:
     from flatserve import LLM, SamplingParams
     from tests.conftest import build_checkpoint
@@ -146,7 +162,7 @@ def test_greedy_generation_identical_with_the_head_on_and_off(family: str, tmp_p
     monkeypatch.setattr(greedy_head, "UNION_CAP", 1)
     out = {}
     for on in (True, False):
-        llm = LLM(device="cpu", model=str(path), dtype="bfloat16", cpu_gemm="amx", max_model_len=256,
+        llm = LLM(device="cpu", model=str(path), dtype="bfloat16", cpu_gemm=gemm, max_model_len=256,
                   greedy_int8_head=on)
         head = llm.engine.runner.greedy_head
         assert (head is not None) == on

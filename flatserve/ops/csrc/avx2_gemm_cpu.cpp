@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "greedy_avx2.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -404,6 +405,53 @@ bool vectorized() {
 #endif
 }
 
+// The AMX kernel's greedy_candidates (amx_gemm_cpu.cpp) on AVX2 (flatserve/csrc/greedy_avx2.h):
+// x [M <= 16, K] bf16; wq [N, K64] bytes q + 64 in greedy_head.greedy_layout's order; s, c [N]
+// fp32; xabs [M] fp32 -> (offsets [M + 1], rows, union) int64, as there.
+std::vector<at::Tensor> greedy_candidates(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& s,
+                                          const at::Tensor& c, const at::Tensor& xabs) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) <= 16 &&
+              wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous() &&
+              wq.size(1) == (x.size(1) + 63) / 64 * 64 && wq.size(0) % 32 == 0,
+              "avx2 greedy_candidates: x [M <= 16, K] bf16, wq [N % 32, K rounded up to 64] uint8; got x ",
+              x.sizes(), ", wq ", wq.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = wq.size(0), K64 = wq.size(1);
+  TORCH_CHECK(s.numel() == N && c.numel() == N && xabs.numel() == M && s.is_contiguous() &&
+              c.is_contiguous() && xabs.is_contiguous() && s.scalar_type() == at::kFloat &&
+              c.scalar_type() == at::kFloat && xabs.scalar_type() == at::kFloat,
+              "avx2 greedy_candidates: s, c [N] and xabs [M] fp32");
+  std::vector<int64_t> offsets(M + 1, 0), rows, all;
+#ifdef FLATSERVE_AVX2_GEMM
+  namespace ga = flatserve::greedy_avx2;
+  ga::X8 x8;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  ga::pack_x8(xf.data_ptr<float>(), M, K, K64, x8);
+  const int64_t G = N / 32, P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), G));
+  std::vector<ga::Part> parts(P);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      ga::rows(wq.data_ptr<uint8_t>(), s.data_ptr<float>(), c.data_ptr<float>(), xabs.data_ptr<float>(),
+               x8, M, K64, G * p / P, G * (p + 1) / P, parts[p]);
+  });
+  for (int64_t t = 0; t < M; ++t) {
+    float best = -INFINITY;
+    for (const auto& part : parts) best = std::max(best, part.best[t]);
+    const float thr = best - ga::tie_margin(best);
+    for (const auto& part : parts)  // parts and their lists run in ascending row order
+      for (const ga::Cand& cd : part.cand[t])
+        if (cd.upper >= thr) rows.push_back(cd.n);
+    offsets[t + 1] = static_cast<int64_t>(rows.size());
+  }
+  all = rows;
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+#else
+  TORCH_CHECK(false, "avx2 greedy_candidates: this build has no AVX2 + FMA");
+#endif
+  auto opt = at::TensorOptions().dtype(at::kLong);
+  return {torch::tensor(offsets, opt), torch::tensor(rows, opt), torch::tensor(all, opt)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -412,6 +460,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "act 1 / 2: gated, [M, N / 2]",
           py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("act") = 0);
   mod.def("linear_plain", &linear_plain, "x [M, K] @ plain W [N, K]^T bf16 (+ bias) -> [M, N]");
+  mod.def("greedy_candidates", &greedy_candidates,
+          "rows of a 7-bit weight copy that may hold each x row's bf16 argmax -> (offsets, rows, union)");
 }
 
 TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
