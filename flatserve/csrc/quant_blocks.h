@@ -1,0 +1,230 @@
+// GGUF block formats unpacked into the quantized GEMM's common form (ops/csrc/quant_gemm_cpu.cpp
+// says what the form is and why): the layouts, fp16 scales, and one stored block or row -> its
+// int8 codes, 16-value scales and 32-value offsets. Only that file includes it.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QG_AVX2 1
+#else
+#define QG_AVX2 0
+#endif
+
+
+namespace flatserve::qblocks {
+
+// GGML type ids; Q4_G (100) is ours: d f16 | zero u8 | 16 nibble bytes, x = d * (q - zero) (GPTQ/AWQ).
+enum Fmt : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_G = 100 };
+
+struct Layout { int block, type_size; bool mins; };
+
+constexpr Layout known_layout(int fmt) {  // {0, 0, false} for an unknown format
+  switch (fmt) {
+    case Q4_0: return {32, 18, false};
+    case Q5_0: return {32, 22, false};
+    case Q8_0: return {32, 34, false};
+    case Q4_K: return {256, 144, true};
+    case Q5_K: return {256, 176, true};
+    case Q6_K: return {256, 210, false};
+    case Q4_G: return {32, 19, false};
+  }
+  return {0, 0, false};
+}
+
+inline Layout layout(int fmt) {
+  const Layout L = known_layout(fmt);
+  TORCH_CHECK(L.block > 0, "quant_gemm: unknown format ", fmt);
+  return L;
+}
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if QG_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while (!(m & 0x400));
+      bits = sign | ((112 - e) << 23) | ((m & 0x3FF) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes.
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+#if QG_AVX2
+inline __m256i nibbles_32(const uint8_t* qs) {  // 16 bytes -> 32 values: low nibbles, then high
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+inline __m256i bits_to_0x10(uint32_t bits) {  // bit i -> byte i = 0x10 or 0
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
+  x = _mm256_cmpeq_epi8(_mm256_and_si256(x, sel), sel);
+  return _mm256_and_si256(x, _mm256_set1_epi8(0x10));
+}
+inline void st(int8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i ld(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+
+// One stored block -> its values' codes v, 16-value scales sc and 32-value offsets mn.
+inline void unpack_block(const uint8_t* b, int fmt, int8_t* v, float* sc, float* mn) {
+  switch (fmt) {
+    case Q8_0: {
+      sc[0] = sc[1] = h2f(b);
+      std::memcpy(v, b + 2, 32);
+      return;
+    }
+    case Q4_G: {  // zero points up to 16 (GPTQ's stored + 1): q - z stays within int8
+      sc[0] = sc[1] = h2f(b);
+      const int z = b[2];
+#if QG_AVX2
+      st(v, _mm256_sub_epi8(nibbles_32(b + 3), _mm256_set1_epi8(static_cast<char>(z))));
+#else
+      for (int j = 0; j < 16; ++j) {
+        v[j] = static_cast<int8_t>((b[3 + j] & 0x0F) - z);
+        v[j + 16] = static_cast<int8_t>((b[3 + j] >> 4) - z);
+      }
+#endif
+      return;
+    }
+    case Q4_0:
+    case Q5_0: {
+      sc[0] = sc[1] = h2f(b);
+      const uint8_t* qs = b + (fmt == Q4_0 ? 2 : 6);
+      uint32_t qh = 0;
+      if (fmt == Q5_0) std::memcpy(&qh, b + 2, 4);
+#if QG_AVX2
+      __m256i q = nibbles_32(qs);
+      if (fmt == Q5_0) q = _mm256_or_si256(q, bits_to_0x10(qh));
+      st(v, _mm256_sub_epi8(q, _mm256_set1_epi8(fmt == Q4_0 ? 8 : 16)));
+#else
+      const int off = fmt == Q4_0 ? 8 : 16;
+      for (int j = 0; j < 16; ++j) {
+        v[j] = static_cast<int8_t>(((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) - off);
+        v[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
+      }
+#endif
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const float d = h2f(b), dmin = h2f(b + 2);
+      uint8_t s[8], m[8];
+      k_scales(b + 4, s, m);
+      for (int j = 0; j < 8; ++j) {
+        sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s[j]);
+        mn[j] = dmin * static_cast<float>(m[j]);
+      }
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (fmt == Q4_K ? 16 : 48);
+#if QG_AVX2
+      const __m256i m4 = _mm256_set1_epi8(0x0F), h = ld(qh), x10 = _mm256_set1_epi8(0x10);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i q = ld(qs + 32 * i);
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (fmt == Q5_K) {  // bit j of qh[l]: bit 4 of value l of sub-block j
+          const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * i)));
+          const __m256i b1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * i + 1)));
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), x10));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), x10));
+        }
+        st(v + 64 * i, lo);
+        st(v + 64 * i + 32, hi);
+      }
+#else
+      for (int i = 0; i < 4; ++i)
+        for (int l = 0; l < 32; ++l) {
+          int lo = qs[32 * i + l] & 0x0F, hi = qs[32 * i + l] >> 4;
+          if (fmt == Q5_K) {
+            lo |= ((qh[l] >> (2 * i)) & 1) << 4;
+            hi |= ((qh[l] >> (2 * i + 1)) & 1) << 4;
+          }
+          v[64 * i + l] = static_cast<int8_t>(lo);
+          v[64 * i + 32 + l] = static_cast<int8_t>(hi);
+        }
+#endif
+      return;
+    }
+    case Q6_K: {
+      const float d = h2f(b + 208);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+      for (int i = 0; i < 16; ++i) sc[i] = d * static_cast<float>(scales[i]);
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* ql = b + 64 * half;
+        const uint8_t* qh = b + 128 + 32 * half;
+        int8_t* o = v + 128 * half;
+#if QG_AVX2
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+        const __m256i l0 = ld(ql), l1 = ld(ql + 32), h = ld(qh);
+        auto hi2 = [&](int shift) {
+          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), m3), 4);
+        };
+        st(o, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m4), hi2(0)), k32));
+        st(o + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m4), hi2(2)), k32));
+        st(o + 64, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi2(4)), k32));
+        st(o + 96, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi2(6)), k32));
+#else
+        for (int l = 0; l < 32; ++l) {
+          o[l] = static_cast<int8_t>(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+          o[l + 32] = static_cast<int8_t>(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+          o[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+          o[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+#endif
+      }
+      return;
+    }
+  }
+}
+
+struct Unpacked {  // one weight row in the common form
+  int8_t* v;
+  float* sc;
+  float* mn;
+  // Q8_0 rows are dotted from their stored blocks (34 bytes: f16 d, 32 codes): already the
+  // common form but for the stride, and unpacking them cost a copy per block for nothing
+  // (the default model's 262k-row LM head is Q8_0).
+  const uint8_t* raw = nullptr;
+};
+
+inline void unpack_row(const uint8_t* src, const Layout& L, int fmt, int64_t K, Unpacked r) {
+  const int64_t nb = K / L.block;
+  for (int64_t i = 0; i < nb; ++i)
+    unpack_block(src + i * L.type_size, fmt, r.v + i * L.block, r.sc + i * (L.block / 16),
+                 r.mn + i * (L.block / 32));
+}
+
+}  // namespace flatserve::qblocks
