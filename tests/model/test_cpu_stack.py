@@ -17,13 +17,14 @@ from flatserve.model import avx2, cpu_stack, quant
 from flatserve.model.layers import DecoderLayers
 
 # The stack's GEMM: the AMX kernel, the AVX2 one, or the quantized one on block weights (one op
-# signature), each where it runs.
+# signature), each where it runs. "quant": q4_0 blocks for plain decodes, q8_0 for verify runs
+# (both formats, half the runs of each with each).
 _NO_QUANT = pytest.mark.skipif(quant.kernel() is None, reason="the C++ quant kernel did not build here")
 GEMMS = [pytest.param("amx", marks=pytest.mark.skipif(
              "amx" not in dev.cpu_isa_levels(), reason="this CPU has no AMX")),
          pytest.param("avx2", marks=pytest.mark.skipif(
              not avx2.available(torch.bfloat16), reason="no AVX2 + FMA or its kernel did not build here")),
-         pytest.param("q4_0", marks=_NO_QUANT), pytest.param("q8_0", marks=_NO_QUANT)]
+         pytest.param("quant", marks=_NO_QUANT)]
 
 # Families with a layer the stack has no kernel for (cpu_stack._fits): Phi-3's partial rotary and
 # LongRoPE, SmolLM3's NoPE layers, Granite's residual multipliers.
@@ -46,7 +47,7 @@ def test_stack_equals_python_layers(tiny_checkpoint, ngram: int, gemm: str,
         assert amx.available(torch.bfloat16), f"AMX GEMM unavailable: {amx._ext.error}"
     family, path, _ = tiny_checkpoint
     spec = dict(speculative_method="ngram", num_speculative_tokens=ngram) if ngram else {}
-    how = dict(quantization=gemm) if gemm.startswith("q") else dict(cpu_gemm=gemm)
+    how = dict(quantization="q8_0" if ngram else "q4_0") if gemm == "quant" else dict(cpu_gemm=gemm)
     llm = LLM(model=str(path), device="cpu", dtype="bfloat16", max_model_len=512,
               num_gpu_blocks_override=64, enable_prefix_caching=False, **how, **spec)
     layers = _layers(llm)
