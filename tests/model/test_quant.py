@@ -80,6 +80,21 @@ def test_kernel_matches_reference_on_its_int16_activations(name, rows, cpu_isa) 
 
 
 @needs_kernel
+def test_zero_rows_and_the_packed_op() -> None:
+    """No rows: an empty result, nothing read. The decoder stack's quant_linear on the packed
+    linear (QuantLinear.pack) gives _int16's bits, bias added, and pack keeps one copy."""
+    shards = {"q": (64, "q5_0"), "k": (32, "q5_0"), "v": (32, "q8_0")}
+    lin, _ = _lin(shards, 256, seed=random.randrange(1 << 20), bias=True)
+    assert lin(torch.randn(0, 256)).shape == (0, 128)
+    x = torch.randn(3, 256)
+    want = lin._bias(lin._int16(quant.kernel(), x))
+    packed = lin.pack()
+    assert all(q.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr() for _, q in lin.segments())
+    assert torch.equal(quant.kernel().quant_linear(x, packed, lin.bias.detach(), 0), want)
+    assert torch.equal(lin._bias(lin._int16(quant.kernel(), x)), want)  # the views read the same bytes
+
+
+@needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_prompt_rows_dequantize_in_cpp_with_the_references_bits(name) -> None:
     """From PROMPT_ROWS rows on: C++ dequantized slices (bit-equal to the torch reference) and

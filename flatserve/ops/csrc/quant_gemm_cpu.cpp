@@ -262,6 +262,7 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
                T* out, int64_t ldo) {
   const Layout L = layout(fmt);
   const int64_t K = a.K;
+  if (M == 0) return;  // the direct path's dot would read 4 rows of an empty activation buffer
 #if QG_AVX2
   if (M <= 4) {
     switch (fmt) {
@@ -434,8 +435,8 @@ void dequant(const at::Tensor& w, int64_t fmt, at::Tensor& out) {
 // with the AVX2 and AMX linears' signature. act must be 0: the stack applies act_and_mul.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t act) {
   TORCH_CHECK(act == 0, "quant_linear: no fused activation (the stack calls act_and_mul)");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
-              packed.numel() >= 24, "quant_linear: a packed uint8 linear");
+  TORCH_CHECK(x.is_cpu() && packed.is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 1 &&
+              packed.is_contiguous() && packed.numel() >= 24, "quant_linear: a packed uint8 linear, CPU");
   const uint8_t* base = packed.data_ptr<uint8_t>();
   auto word = [&](int64_t i) {
     int64_t v;
