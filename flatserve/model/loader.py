@@ -303,7 +303,9 @@ def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch
             swap_linears(model, {k: FORMATS[v] for k, v in gptq.formats(names).items()}, dtype)
         if shard is not None:
             shard(model)
-    model = model.to_empty(device=device).to(dtype)
+    # dtype first, on meta: to_empty at the default fp32 then .to(bf16) peaked at twice the
+    # weights (GPT-OSS-20B: 84 GB of fp32 on an 80 GB H100, out of memory at load).
+    model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty may have split them
     for m in model.modules():  # non-persistent buffers come back empty from to_empty

@@ -160,16 +160,23 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, topw_ptr, sorted_ptr, block_e_p
 
 
 # (BLOCK_N, BLOCK_K, warps, stages) per BLOCK_M; env override for sweeps on the device.
-GEMM_CFG = {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (128, 64, 4, 3)}
+# 128-row tiles: benchmarks/dev/moe_gemm_sweep.py at 32,768 tokens on an H100 (2026-11-26)
+# gave gate_up 605 vs 403 TFLOP/s and down 485 vs 357 (Qwen3-30B-A3B experts), 579 vs 388
+# and 512 vs 351 (GPT-OSS-20B) against 64-row tiles; at 512 tokens every tile ties.
+GEMM_CFG = {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
 if os.environ.get("FLATSERVE_MOE_CFG"):
     _c = tuple(int(v) for v in os.environ["FLATSERVE_MOE_CFG"].split(","))
     GEMM_CFG = {m: _c for m in GEMM_CFG}
 
 
-def block_m_for(num_pairs: int, num_experts: int) -> int:
+def block_m_for(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> int:
     """Rows per program from the mean rows per expert (host ints only): decode batches leave
-    most experts with a few rows, where 64-row tiles would be mostly padding."""
+    most experts with a few rows, where 64-row tiles would be mostly padding. 128-row tiles
+    only for 16-bit inputs: fp32's gated tiles (A 128x64 + gate and up 64x128, 3 stages) need
+    294 KB of shared memory, past an H100's 227 KB."""
     mean = num_pairs / num_experts
+    if mean > 256 and elem_bytes <= 2:
+        return 128
     return 16 if mean <= 16 else (32 if mean <= 64 else 64)
 
 
@@ -202,7 +209,7 @@ def fused_moe(x: torch.Tensor, rw: torch.Tensor, rb: torch.Tensor | None, wgu: t
     T, H = x.shape
     k, E, I = moe.top_k, moe.num_experts, moe.intermediate_size
     w, ids = route(x, rw, rb, moe)  # [T, k]
-    block_m = block_m_for(T * k, E)
+    block_m = block_m_for(T * k, E, x.element_size())
     sorted_ids, block_expert = align_by_expert(ids, E, block_m)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # act(gate) * up, pair order
     grouped_gemm(x, wgu, bgu, h, sorted_ids, block_expert, block_m, k, I, gated=True, moe=moe)

@@ -179,3 +179,19 @@ def check_writes_only_their_sequences(which: str) -> None:
         alone = (cpu_backend.paged_decode(*args, p, None, one) if which == "decode"
                  else cpu_backend.paged_prefill(*args, one, p))
         assert torch.equal(out[rows], alone), f"sequence {s} differs from its run alone"
+
+
+@pytest.mark.parametrize("hq,hkv,d,window", [(4, 1, 256, None), (8, 2, 64, None), (6, 2, 128, 40)])
+def test_rows_do_not_depend_on_the_chunking(hq: int, hkv: int, d: int, window: int | None) -> None:
+    """A prompt's rows give the same bits whole, cut into random chunks, or as a prefix-cache
+    tail beside other sequences: chunked prefill and prefix caching must not change answers."""
+    L = random.randint(40, 300)
+    q, kc, vc, meta = make_case([L], [L], hq, hkv, d, 16, torch.bfloat16, device="cpu")
+    p = LayerAttnParams(d ** -0.5, window)
+    whole = cpu_backend.paged_prefill(q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q, p)
+    cuts = sorted(random.sample(range(1, L), 3))
+    for a, b in zip([0] + cuts, cuts + [L]):  # each chunk alone: rows a..b-1 ending at b
+        part = cpu_backend.paged_prefill(q[a:b], kc, vc, meta.block_table, torch.tensor([b], dtype=torch.int32),
+                                         torch.tensor([0, b - a], dtype=torch.int32), p)
+        assert torch.equal(part, whole[a:b]), f"rows {a}..{b} of {L} differ from the whole prompt's"
+

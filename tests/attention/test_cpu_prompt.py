@@ -122,8 +122,14 @@ def test_backend_sends_prompt_tails_to_the_prompt_kernel() -> None:
     q, kc, vc, meta = make_case([L, 1], [L, 90], hq, hkv, d, 16, torch.bfloat16, device="cpu")
     p = LayerAttnParams(d ** -0.5)
     be = cpu_backend.CpuAttentionBackend()
-    whole = cpu_backend.paged_prompt(q[:L], kc, vc, meta.block_table[:1], meta.seq_lens[:1],
-                                     torch.tensor([0, L], dtype=torch.int32), p)
+    # The whole prompt through the backend too: on AMX machines its prompt rows take the AMX
+    # prefill kernel (bf16, head 64), elsewhere the prompt kernel; the tail must match either.
+    none = torch.empty(0, hkv, d, dtype=q.dtype)
+    whole = be.forward(q[:L], none, none, kc, vc, AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, L], dtype=torch.int32), seq_lens=meta.seq_lens[:1],
+        block_table=meta.block_table[:1], slot_mapping=torch.zeros(0, dtype=torch.int64),
+        max_q_len=L, max_seq_len=L, cu_seqlens_q_host=[0, L], seq_lens_host=[L],
+        prompt_lens_host=[L]), p)
 
     def step(q_rows: torch.Tensor, q_lens: list[int], prompt_lens: list[int]) -> torch.Tensor:
         cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
@@ -132,7 +138,6 @@ def test_backend_sends_prompt_tails_to_the_prompt_kernel() -> None:
             block_table=meta.block_table, slot_mapping=torch.zeros(0, dtype=torch.int64),  # K/V already in
             max_q_len=max(q_lens), max_seq_len=90, cu_seqlens_q_host=cu, seq_lens_host=[L, 90],
             prompt_lens_host=prompt_lens)
-        none = torch.empty(0, hkv, d, dtype=q.dtype)
         return be.forward(q_rows, none, none, kc, vc, m, p)
 
     out = step(torch.cat([q[L - tail:L], q[L:]]), [tail, 1], [L, 50])

@@ -65,7 +65,10 @@ def check_grouped(device: str, dtype: torch.dtype, T: int, moe: MoeConfig, routi
         ids[ids == 7] = E - 1
         ids[torch.arange(T, device=device), torch.randint(0, k, (T,), generator=g, device=device)] = 7
     w = torch.rand(T, k, generator=g, device=device)
-    for bm in sorted({16, block_m_for(T * k, E)} | ({64} if device == "cuda" else set())):
+    tiles = {16, block_m_for(T * k, E, dtype.itemsize)}
+    if device == "cuda":  # prompt tiles too (128 rows: 16-bit inputs only, see block_m_for)
+        tiles |= {64} | ({128} if dtype.itemsize <= 2 else set())
+    for bm in sorted(tiles):
         sorted_ids, block_e = align_by_expert(ids.int(), E, bm)
         h = torch.full((T * k, I), float("nan"), dtype=dtype, device=device)
         grouped_gemm(x, wgu, bgu, h, sorted_ids, block_e, bm, k, I, gated=True, moe=moe)
@@ -129,6 +132,6 @@ def test_fused_moe_under_triton_interpreter() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_cuda(dtype: torch.dtype) -> None:
     run_all("cuda", dtype)
-    for moe in (QWEN, OSS):  # a prefill-sized batch (64-row tiles) and real widths
+    for moe in (QWEN, OSS):  # a prefill-sized batch (64/128-row tiles) and real widths
         check_grouped("cuda", dtype, 2048, moe, "random", H=256)
         check_route_and_full("cuda", dtype, 2048, moe, H=256)
