@@ -96,13 +96,20 @@ def tool_start(text: str, formats: list[str]) -> int:
 
 def parse_auto(text: str, formats: list[str], names: set[str]) -> tuple[str | None, list[Call]]:
     """-> (content before the calls or None, the calls). No calls: the text is all content."""
+    start, calls = _find_calls(text, formats, names)
+    if calls:
+        return text[:start].strip() or None, calls
+    return text, []
+
+
+def _find_calls(text: str, formats: list[str], names: set[str]) -> tuple[int, list[Call]]:
+    """-> (where the calls start, the calls of the first format that has any)."""
     for f in formats or [HERMES, MISTRAL, LLAMA3]:
         calls, start = _PARSERS[f](text)
         calls = [c for c in calls if c.name in names]
         if calls:
-            content = text[:start].strip()
-            return content or None, calls
-    return text, []
+            return start, calls
+    return len(text), []
 
 
 def _hermes(text: str) -> tuple[list[Call], int]:
@@ -210,8 +217,10 @@ class ToolStreamer:
         if self.mode == "forced":
             calls = parse_forced(rest) if reason == "stop" else None
             content = None if calls else rest
-        else:
-            content, calls = parse_auto(rest, self.formats, self.names)
+        else:  # the rest continues streamed content: only its end is trimmed (a chunk may
+            # have ended on the space between two words)
+            start, calls = _find_calls(rest, self.formats, self.names)
+            content = (rest[:start].rstrip() if self.sent else rest[:start].strip()) if calls else rest
         out = [{"content": content}] if content else []
         for i, c in enumerate(calls or []):
             out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",
