@@ -53,3 +53,40 @@ def test_bad_grammar_fails_the_call_and_the_engine_still_serves(llm: LLM) -> Non
                                                      structured_outputs=StructuredOutputs(
                                                          choice=["left", "right"])), use_tqdm=False)
     assert out[0].outputs[0].text in ("left", "right")
+
+
+def test_a_compiling_grammar_does_not_stall_other_requests(llm: LLM, monkeypatch) -> None:
+    """The compile runs on the grammar thread: while it is held, an unconstrained request beside
+    it is served to the end; released, the constrained one runs and keeps its grammar."""
+    import random
+    import re
+    import threading
+
+    grammars = llm.engine.grammars
+    release, entered = threading.Event(), threading.Event()
+    compile_ = grammars._compile
+
+    def held(spec):  # noqa: ANN001, ANN202 - the cache's own signature
+        entered.set()
+        assert release.wait(60), "the test never released the compile"
+        return compile_(spec)
+
+    monkeypatch.setattr(grammars, "_compile", held)
+    pattern = f"(yes|no)-{random.randrange(10**6)}-[a-z]{{3}}"  # a spec no earlier test compiled
+    eng = llm.engine
+    held_id = eng.add_request("Answer:", SamplingParams(
+        max_tokens=16, temperature=1.0, structured_outputs=StructuredOutputs(regex=pattern)))
+    free_id = eng.add_request("Once upon a time", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    done: dict[str, str] = {}
+    for _ in range(200):
+        done.update({o.request_id: o.outputs[0].text for o in eng.step() if o.finished})
+        if free_id in done:
+            break
+    assert entered.is_set() and free_id in done and held_id not in done
+    release.set()
+    for _ in range(400):
+        if held_id in done:
+            break
+        done.update({o.request_id: o.outputs[0].text for o in eng.step() if o.finished})
+    assert re.fullmatch(pattern, done[held_id]), done[held_id]
+    assert not eng.has_unfinished() and eng.num_used_blocks == 0
