@@ -296,7 +296,8 @@ def _model_config(model: str | None) -> tuple[ModelSource, Any, ModelConfig]:
 
 def _keep_quantized(cfg: EngineConfig, device: torch.device) -> bool:
     """GGUF block formats stay as stored unless --dequantize. CUDA keeps the dense path: its
-    Triton kernel reads every format but has not run on a GPU since the K formats came in."""
+    Triton kernel reads every format and passes its tests on an H100 (2026-11-26), but its
+    speed against cuBLAS on the dequantized weights is not measured yet."""
     return not cfg.dequantize and device.type == "cpu"
 
 
