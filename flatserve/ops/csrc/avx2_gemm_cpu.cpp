@@ -41,7 +41,7 @@ constexpr int kMR = 6;           // rows of the packed micro-kernel: 12 of the 1
 constexpr int64_t kRowChunk = 96;  // rows of x (fp32) kept in L2 while every panel streams by
 // From this many rows a call is compute-bound: W is widened once into an fp32 copy (a few MB,
 // freed after the call) and torch's fp32 GEMM (oneDNN / MKL, blocked for the caches) runs it.
-// At 512 rows x Gemma's gate_up it ran ~2x this file's micro-kernel (benchmarks/cpu_avx2_gemm.py),
+// At 512 rows x Gemma's gate_up it ran ~2x this file's micro-kernel (benchmarks/dev/cpu_avx2_gemm.py),
 // and the widening is ~5% of the GEMM's time.
 constexpr int64_t kTorchRows = 128;
 
