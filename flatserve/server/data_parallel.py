@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from flatserve.config import EngineConfig
 from flatserve.engine.engine import Engine
@@ -40,6 +40,7 @@ class _ReplicaMetrics:
     def __init__(self, shared: Metrics, router: DataParallelEngine, i: int) -> None:
         self.shared, self.router, self.i = shared, router, i
         self.ttft, self.itl, self.e2e = shared.ttft, shared.itl, shared.e2e
+        self.aborted = shared.aborted
 
     def update(self, stats: dict[str, int]) -> None:
         self.router.stats[self.i] = stats
@@ -75,6 +76,23 @@ class DataParallelEngine:
     @property
     def error(self) -> BaseException | None:
         return next((r.error for r in self.replicas if r.error is not None), None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.num_in_flight for r in self.replicas)
+
+    @property
+    def on_fatal(self) -> Callable[[BaseException], None] | None:
+        return self.replicas[0].on_fatal
+
+    @on_fatal.setter
+    def on_fatal(self, fn: Callable[[BaseException], None] | None) -> None:
+        for r in self.replicas:  # any replica that stops on an error stops the server
+            r.on_fatal = fn
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
 
     def start(self) -> None:
         for r in self.replicas:

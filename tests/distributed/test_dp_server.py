@@ -1,5 +1,6 @@
-"""`flatserve serve --data-parallel-size 2`: a subset of the server suite against two replicas
-behind one server, and the router's choice."""
+"""`flatserve serve --data-parallel-size 2`: the server suite (tests/server/test_server.py, all but
+its SIGTERM test, which starts its own server) against two replicas behind one server, and the
+router's choice."""
 from __future__ import annotations
 
 import signal
@@ -11,8 +12,9 @@ import pytest
 from flatserve.bench.serve import wait_healthy
 from tests.server.test_server import (  # noqa: F401 - collected here against the DP=2 server
     KEY, _free_port, test_32_concurrent_streams_complete_then_no_blocks_used,
-    test_bad_inputs_answered_in_openai_shape_and_server_still_serves,
-    test_chat_stream_and_non_stream, test_completions_stream_equals_non_stream_with_usage)
+    test_auth_and_open_routes, test_bad_inputs_answered_in_openai_shape_and_server_still_serves,
+    test_chat_stream_and_non_stream, test_completions_stream_equals_non_stream_with_usage,
+    sigterm_mid_stream, test_disconnect_mid_stream_frees_blocks, test_n_logprobs_echo_stop)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def server(default_model_path, tmp_path_factory):
     wait_healthy(url, proc)
     yield {"url": url, "proc": proc}
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
+    assert proc.wait(timeout=60) == 0, "the DP=2 server did not stop cleanly on SIGINT"
 
 
 def test_router_picks_fewest_held_then_lowest_kv_usage() -> None:
@@ -44,3 +46,8 @@ def test_router_picks_fewest_held_then_lowest_kv_usage() -> None:
     assert r.pick() == 2
     r.held = [0, 1, 1]
     assert r.pick() == 0
+
+
+def test_sigterm_mid_stream_ends_streams_and_exits_zero_with_two_replicas(default_model_path) -> None:
+    sigterm_mid_stream(["--data-parallel-size", "2"])
+

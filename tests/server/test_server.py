@@ -227,11 +227,17 @@ def test_auth_and_open_routes(server) -> None:
 
 
 def test_sigterm_mid_stream_ends_streams_and_exits_zero(default_model_path) -> None:
+    sigterm_mid_stream([])
+
+
+def sigterm_mid_stream(extra: list[str]) -> None:
+    """A server (with `extra` flags) stopped by SIGTERM while a stream runs: the stream ends
+    with finish_reason "abort" and [DONE], the process exits 0."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "flatserve.cli", "serve", "--device", "cpu", "--port", str(port),
                              "--kv-cache-memory", "128MiB", "--max-model-len", "512",
                              "--max-num-batched-tokens", "256",
-                             "--shutdown-timeout", "0"],  # no drain: abort at once
+                             "--shutdown-timeout", "0", *extra],  # no drain: abort at once
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
