@@ -51,3 +51,22 @@ def test_router_picks_fewest_held_then_lowest_kv_usage() -> None:
 def test_sigterm_mid_stream_ends_streams_and_exits_zero_with_two_replicas(default_model_path) -> None:
     sigterm_mid_stream(["--data-parallel-size", "2"])
 
+
+
+def test_router_forwards_shutdown_and_fatal_errors_to_every_replica() -> None:
+    """The server drains by num_in_flight, closes through close() and stops on on_fatal: on a
+    DP router each reaches every replica (a replica that dies stops the server)."""
+    from types import SimpleNamespace
+
+    from flatserve.server.data_parallel import DataParallelEngine
+
+    r = DataParallelEngine.__new__(DataParallelEngine)
+    closed: list[int] = []
+    r.replicas = [SimpleNamespace(num_in_flight=n, on_fatal=None, close=lambda i=i: closed.append(i))
+                  for i, n in enumerate([2, 0, 3])]  # type: ignore[assignment]
+    assert r.num_in_flight == 5
+    stop = object()
+    r.on_fatal = stop  # type: ignore[assignment]
+    assert [x.on_fatal for x in r.replicas] == [stop] * 3 and r.on_fatal is stop
+    r.close()
+    assert closed == [0, 1, 2]
