@@ -36,7 +36,7 @@
 #include "decode_bf16.h"
 #include "seq_list.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -59,6 +59,44 @@ using flatserve::decode::split_acc_index;
 // ~4 FMAs per cycle (the compiler kept the accumulators in memory); head sizes are multiples of
 // 16 (the Python side checks).
 constexpr int64_t kLanes = 16;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// AVX2: the 16 lanes as two ymm values, written with intrinsics. GCC's 64-byte generic vectors
+// compiled to stack round trips on AVX2 (vpinsrq from general registers, every accumulator
+// spilled): one sequence's decode at Gemma's shape (4 heads, head 256, 800 keys) ran 531 us
+// a layer against 400 for the portable build (benchmarks/dev/cpu_decode_attention.py's shape,
+// 2-core AMD EPYC, 2026-11-26).
+struct vf {
+  __m256 lo, hi;
+};
+inline vf operator+(vf a, vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vf operator*(vf a, vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vf operator*(vf a, float s) { return a * vf{_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+inline vf operator*(float s, vf a) { return a * s; }
+inline vf& operator+=(vf& a, vf b) { return a = a + b; }
+inline vf ld(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void st(float* p, vf v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline float hsum(vf v) {
+  const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+}
+inline vf cvt(const float* p) { return ld(p); }
+inline vf cvt(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  auto widen = [](__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  };
+  return {widen(_mm256_castsi256_si128(w)), widen(_mm256_extracti128_si256(w, 1))};
+}
+inline vf cvt(const at::Half* p) {  // exact, as static_cast<float> is
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(w)), _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1))};
+}
+#else
 using vf = flatserve::f32x16;
 
 inline vf ld(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
@@ -83,6 +121,7 @@ inline vf cvt(const at::Half* p) {
   for (int64_t k = 0; k < kLanes; ++k) f[k] = static_cast<float>(p[k]);
   return f;
 }
+#endif
 
 struct Dims {
   int64_t hq, hkv, g, d, bs, max_blocks;
