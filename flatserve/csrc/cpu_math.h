@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -48,6 +48,21 @@ inline f32x16 bf16x16_to_f32(const uint16_t* p) {
   std::memcpy(&f, &w, sizeof(f));
   return f;
 }
+
+#if defined(__AVX2__)
+// AVX2 kernels write their 8-lane code with these intrinsics: GCC's 64-byte generic vectors
+// above compile to stack round trips on AVX2.
+inline __m256 widen8(const uint16_t* p) {  // 8 bf16 (raw bits) -> 8 fp32: a 16-bit shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
 
 #if defined(__AVX512F__)
 // exp of 16 lanes: exp_poly's polynomial with AVX-512's scalef for the 2^i (x clamped below

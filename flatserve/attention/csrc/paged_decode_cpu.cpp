@@ -36,7 +36,7 @@
 #include "decode_bf16.h"
 #include "seq_list.h"
 
-#if defined(__AVX512BF16__) || defined(__AVX2__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -62,8 +62,8 @@ constexpr int64_t kLanes = 16;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 // AVX2: the 16 lanes as two ymm values, written with intrinsics. GCC's 64-byte generic vectors
 // compiled to stack round trips on AVX2 (vpinsrq from general registers, every accumulator
-// spilled): one sequence's decode at Gemma's shape (4 heads, head 256, 800 keys) ran 531 us
-// a layer against 400 for the portable build (benchmarks/dev/cpu_decode_attention.py's shape,
+// spilled): one sequence of 800 keys at Gemma's shape took 581 us a layer against 363 for the
+// portable build, 104 us with these (`benchmarks/dev/cpu_decode_attention.py --lens 300,800`,
 // 2-core AMD EPYC, 2026-11-26).
 struct vf {
   __m256 lo, hi;
@@ -78,19 +78,11 @@ inline void st(float* p, vf v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);
 }
-inline float hsum(vf v) {
-  const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
-}
+inline float hsum(vf v) { return flatserve::hsum8(_mm256_add_ps(v.lo, v.hi)); }
 inline vf cvt(const float* p) { return ld(p); }
-inline vf cvt(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  auto widen = [](__m128i h) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  };
-  return {widen(_mm256_castsi256_si128(w)), widen(_mm256_extracti128_si256(w, 1))};
+inline vf cvt(const at::BFloat16* p) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+  return {flatserve::widen8(u), flatserve::widen8(u + 8)};
 }
 inline vf cvt(const at::Half* p) {  // exact, as static_cast<float> is
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

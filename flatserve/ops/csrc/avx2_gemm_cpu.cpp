@@ -106,16 +106,8 @@ inline void panel_kernel(const float* x, int64_t xs, const uint16_t* w, int64_t 
   }
 }
 
-inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
+using flatserve::hsum8;
+using flatserve::widen8;
 
 // Plain micro-kernel: MR rows of x times NB rows of W [N, K] (row stride K) -> out[r * ld + n]
 // = x_r . w_n. MR x NB <= 12 accumulators, MR x vectors and one weight vector: 16 registers.

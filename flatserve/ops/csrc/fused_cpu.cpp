@@ -17,10 +17,6 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 // Loads, stores and rounding per storage type, all inline and branch-free so the row loops
@@ -400,13 +396,10 @@ inline bool better(float v, int64_t i, const Best& b) {  // (v, i) beats b under
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2: the same 16 lanes as two __m256 with intrinsics. GCC's 64-byte generic vectors above
-// compiled to stack round trips on AVX2: one 262k-value bf16 row took 739 us, 16 rows 12.3 ms
-// (slower than torch's argmax; 2-core AMD EPYC, 2026-11-26).
+// compiled to stack round trips on AVX2: 16 rows of 262k bf16 values took 11.5 ms, slower than
+// torch's 4.6; 0.47 ms with these (`benchmarks/dev/cpu_argmax.py`, 2-core AMD EPYC, 2026-11-26).
 inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 ld8(const at::BFloat16* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
+inline __m256 ld8(const at::BFloat16* p) { return flatserve::widen8(reinterpret_cast<const uint16_t*>(p)); }
 // Lanes where v beats best under the rule (greater, or NaN over a number).
 inline __m256 beats(__m256 v, __m256 best) {
   return _mm256_or_ps(_mm256_cmp_ps(v, best, _CMP_GT_OQ),
