@@ -39,8 +39,9 @@ class _ReplicaMetrics:
 
     def __init__(self, shared: Metrics, router: DataParallelEngine, i: int) -> None:
         self.shared, self.router, self.i = shared, router, i
-        self.ttft, self.itl, self.e2e = shared.ttft, shared.itl, shared.e2e
-        self.aborted = shared.aborted
+
+    def __getattr__(self, name: str) -> Any:  # histograms and counters: the shared ones
+        return getattr(self.shared, name)
 
     def update(self, stats: dict[str, int]) -> None:
         self.router.stats[self.i] = stats
