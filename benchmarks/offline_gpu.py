@@ -30,7 +30,8 @@ def run_flatserve(a: argparse.Namespace) -> dict:
     llm = LLM(model=a.ckpt, dtype="bfloat16", max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.input + a.output + 16,
               enforce_eager=a.enforce_eager, fused_ops=a.fused_ops,
-              async_scheduling=a.async_scheduling, load_format=a.load_format)
+              async_scheduling=a.async_scheduling, load_format=a.load_format,
+              quantization=a.quantization)
     vocab = llm.engine.state.model.vocab_size
     ps = prompts(a.prompts, a.input, vocab)
     params = SamplingParams(max_tokens=a.output, temperature=0, ignore_eos=True)
@@ -58,23 +59,24 @@ def run_flatserve(a: argparse.Namespace) -> dict:
     return {"wall": wall, "out_tokens": n, "tok_per_s": n / wall, "req_per_s": len(ps) / wall,
             "fused_ops": sorted(llm.engine.state.fused_ops), "async": llm.engine.async_mode,
             "kv_blocks": llm.engine.state.budget.num_blocks, "prefix_hit_tokens": hits,
-            "max_num_seqs": llm.engine.cfg.max_num_seqs,
+            "max_num_seqs": llm.engine.cfg.max_num_seqs, "quantization": a.quantization,
             "max_num_batched_tokens": llm.engine.cfg.max_num_batched_tokens, **lat, **step}
 
 
 def decode_step_times(llm, vocab: int, a: argparse.Namespace) -> dict:
-    """Decode-step time at batch 64 and 256 (context = input length), host included: median
+    """Decode-step time at each of --step-batches (context = input length), host included: median
     interval of 30 back-to-back steps, and their mean. Stepped as `LLM.generate` steps
     (`emit_unfinished=False`: no text built for unfinished requests); `..._stream_...` is the
     same batch stepped as the server steps (every request's text and output object each step)."""
     st = llm.engine.state
     bw = copy_bandwidth()
     res = {"copy_GBps": bw / 1e9, "weights_GB": st.weights_bytes / 1e9}
-    for bs in (64, 256):
+    for bs in (int(b) for b in a.step_batches.split(",")):
         if bs <= llm.engine.cfg.max_num_seqs:
             # Memory floor of one step: every weight and every cached K/V byte read once. The
             # timed steps run at contexts input + 4 .. input + 34: their mean is input + 19.
             kv = bs * (a.input + 19) * st.model.kv_bytes_per_token * 2  # bf16
+            # weights_bytes: as loaded (a --quantization's blocks, scales included)
             res[f"floor_ms_b{bs}"] = (st.weights_bytes + kv) / bw * 1e3
             if st.model.moe is not None:  # only the experts a step selects are read
                 res[f"floor_active_ms_b{bs}"] = (moe_active_bytes(st, bs) + kv) / bw * 1e3
@@ -123,6 +125,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default=None, help="flatserve only: q4_0 | q8_0 at load")
+    ap.add_argument("--step-batches", default="64,256", help="decode-step timings at these batches")
     ap.add_argument("--fused-ops", default="auto", help="auto | none | comma list (flatserve/ops)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--engines", default="flatserve,transformers")
@@ -153,7 +157,8 @@ def main() -> None:
                                       ("max-num-seqs", a.max_num_seqs),
                                       ("max-num-batched-tokens", a.max_num_batched_tokens),
                                       ("fused-ops", a.fused_ops), ("hf-attn", a.hf_attn),
-                                      ("load-format", a.load_format))
+                                      ("load-format", a.load_format), ("quantization", a.quantization),
+                                      ("step-batches", a.step_batches))
             if v is not None] + (["--enforce-eager"] * a.enforce_eager) + (
             [] if a.async_scheduling is None else
             ["--async-scheduling" if a.async_scheduling else "--no-async-scheduling"])

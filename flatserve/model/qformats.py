@@ -118,8 +118,12 @@ def quantize(w: torch.Tensor, fmt: Format, chunk: int = 4096) -> torch.Tensor:
     reference quantizers' bits); the K formats through a plain min/max fit (llama.cpp searches
     scales more carefully; these serve `--quantization` tests and random-weight checks)."""
     n, k = w.shape
-    out = torch.empty(n, fmt.row_bytes(k), dtype=torch.uint8)
+    out = torch.empty(n, fmt.row_bytes(k), dtype=torch.uint8, device=w.device)
     for i in range(0, n, chunk):  # an fp32 copy of a 262k-row head at once would be 671 MB
+        if fmt.name in ("q4_0", "q8_0"):  # on w's device (a GPU quantizes 8B weights in ~1 s)
+            out[i:i + chunk] = _quantize_32(w[i:i + chunk].float().reshape(-1, 32), fmt).reshape(
+                min(chunk, n - i), -1)
+            continue
         wf = w[i:i + chunk].float().cpu()
         if fmt.name == "q4_g":
             out[i:i + chunk] = _quantize_g(wf.reshape(-1, 32)).reshape(wf.shape[0], -1)
@@ -131,6 +135,27 @@ def quantize(w: torch.Tensor, fmt: Format, chunk: int = 4096) -> torch.Tensor:
         else:
             out[i:i + chunk] = _quantize_k(wf.reshape(-1, 256), fmt).reshape(wf.shape[0], -1)
     return out
+
+
+def _quantize_32(b: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """[nb, 32] fp32 -> q4_0 / q8_0 blocks with the `gguf` package's bits (its numpy code, op for
+    op in fp32: no fused multiply-add; tests/model/test_qformats.py compares them), in torch so a
+    GPU's weights quantize where they are (numpy took ~100 s for Llama-3-8B on one core)."""
+    if fmt.name == "q4_0":
+        mx = b.gather(1, b.abs().argmax(1, keepdim=True))  # signed value of largest magnitude
+        d = mx / -8
+    else:
+        d = b.abs().amax(1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    y = b * inv
+    if fmt.name == "q4_0":
+        q = torch.trunc(y + 8.5).clamp(0, 15).to(torch.uint8)
+        q = q[:, :16] | (q[:, 16:] << 4)
+    else:  # gguf's np_roundf: half away from zero
+        a = y.abs()
+        fl = torch.floor(a)
+        q = (torch.sign(y) * (fl + torch.floor(2 * (a - fl)))).to(torch.int8).view(torch.uint8)
+    return torch.cat([d.to(torch.float16).view(torch.uint8), q], 1)
 
 
 def _quantize_g(x: torch.Tensor) -> torch.Tensor:

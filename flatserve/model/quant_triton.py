@@ -1,12 +1,23 @@
-"""CUDA path of the quantized linears: one Triton kernel that dequantizes 32 values at a time
-in registers and multiplies them on the tensor cores; decode batches (GEMV sized: BLOCK_M 16)
-and prompt chunks (BLOCK_M 64) take the same kernel with other tiles.
+"""CUDA path of the quantized linears: Triton kernels that dequantize 32 values at a time in
+registers and multiply them on the tensor cores.
 
-Formats: the 32-value blocks (q8_0, q4_0, q5_0, q4_g) and llama.cpp's K formats (q4_k, q5_k,
-q6_k: 256-value super-blocks, read 32 values at a time with their sub-block's scale and min;
-layouts as flatserve/model/qformats.py and ops/csrc/quant_gemm_cpu.cpp read them). Checked
-against the torch reference with TRITON_INTERPRET=1 on the CPU (tests/model/test_quant_triton.py)
-and on a GPU where one is present.
+- decode-sized calls (up to GEMV_ROWS rows): narrow column tiles and the K axis split across
+  programs (summed in a fixed order by `_split_sum_kernel`, so a row's bits do not depend on
+  the timing), so that a 4096-column linear still fills every SM. Up to FMA_ROWS rows of q4_0 /
+  q8_0: `_gemv_fma_kernel`, codes turned into floats by bit tricks (an integer-to-float
+  conversion runs at 1/8 of the FMA rate on an H100) and multiplied on the FMA units; else
+  `_qgemv_kernel`, 16- or 32-row tensor-core tiles;
+- larger calls: the weight is dequantized to the activations' dtype (`_dequant_kernel`, one
+  pass) and cuBLAS multiplies. A fused 64-row-tile kernel was slower than that at every row
+  count from 1 to 512 but gate_up's 32-64 (benchmarks/dev/quant_gemm_gpu.py --sweep, H100,
+  2026-11-26): it ran at 0.10-0.14x cuBLAS at 2,048 rows.
+
+Every path dequantizes w to fp32 and rounds it to x's dtype before the multiply, as the torch
+reference (QuantLinear.reference) does. Formats: the 32-value blocks (q8_0, q4_0, q5_0, q4_g)
+and llama.cpp's K formats (q4_k, q5_k, q6_k: 256-value super-blocks, read 32 values at a time
+with their sub-block's scale and min; layouts as flatserve/model/qformats.py and
+ops/csrc/quant_gemm_cpu.cpp read them). Checked against the torch reference with
+TRITON_INTERPRET=1 on the CPU (tests/model/test_quant_triton.py) and on a GPU where one is present.
 """
 from __future__ import annotations
 
@@ -25,30 +36,6 @@ def _f16_at(p):  # two little-endian bytes at p -> fp32
     lo = tl.load(p).to(tl.int32)
     hi = tl.load(p + 1).to(tl.int32)
     return ((hi << 8) | lo).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _qgemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, stride_xm, stride_ym,
-                  FMT: tl.constexpr, TYPE_SIZE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    j = tl.arange(0, 32)  # value within a block
-    mask_m, mask_n = rm < M, rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Columns past N read row 0 (never stored): every weight address stays inside the tensor.
-    row = w_ptr + tl.where(mask_n, rn, 0)[:, None].to(tl.int64) * row_bytes  # [BN, 1]
-    for kb in range(0, K // 32):
-        if FMT >= 4:  # K formats: 32 values of a 256-value super-block
-            w = _k_chunk(row + (kb // 8) * TYPE_SIZE, kb % 8, j, mask_n, FMT)
-        else:
-            w = _block32(row + kb * TYPE_SIZE, j, mask_n, FMT)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kb * 32 + j[None, :], mask=mask_m[:, None],
-                    other=0.0)  # [BM, 32]
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee", out_dtype=tl.float32)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -99,18 +86,216 @@ def _block32(blk, j, mask_n, FMT: tl.constexpr):
     return d * q
 
 
+@triton.jit
+def _weights32(row, kb, j, mask_n, FMT: tl.constexpr, TYPE_SIZE: tl.constexpr):
+    """Values 32 kb .. 32 kb + 31 of the rows at `row` [BN, 1] -> [BN, 32] fp32."""
+    if FMT >= 4:
+        return _k_chunk(row + (kb // 8) * TYPE_SIZE, kb % 8, j, mask_n, FMT)
+    return _block32(row + kb * TYPE_SIZE, j, mask_n, FMT)
+
+
+@triton.jit
+def _qgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, stride_xm, stride_ys, stride_ym,
+                  blocks_per_split, FMT: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr):
+    """y[split, :M, cols] = x[:, this split's K range] @ W[cols, same range]^T, KB blocks of 32
+    values an iteration (unrolled: more loads in flight)."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, 32)
+    mask_m, mask_n = rm < M, rn < N
+    row = w_ptr + tl.where(mask_n, rn, 0)[:, None].to(tl.int64) * row_bytes  # [BN, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = pid_s * blocks_per_split
+    h = tl.arange(0, 16)
+    for kb0 in range(first, first + blocks_per_split, KB):
+        for i in tl.static_range(KB):
+            xrow = x_ptr + rm[:, None] * stride_xm + (kb0 + i) * 32
+            if FMT == 1:  # q4_0: each byte once (values l and l + 16), two 16-deep products
+                blk = row + (kb0 + i) * TYPE_SIZE
+                byte = tl.load(blk + 2 + h[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
+                d = _f16_at(blk)
+                x = tl.load(xrow + h[None, :], mask=mask_m[:, None], other=0.0)
+                w = (d * ((byte & 15) - 8).to(tl.float32)).to(x.dtype)
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+                x = tl.load(xrow + 16 + h[None, :], mask=mask_m[:, None], other=0.0)
+                w = (d * ((byte >> 4) - 8).to(tl.float32)).to(x.dtype)
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+            else:
+                w = _weights32(row, kb0 + i, j, mask_n, FMT, TYPE_SIZE)
+                x = tl.load(xrow + j[None, :], mask=mask_m[:, None], other=0.0)  # [BM, 32]
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee", out_dtype=tl.float32)
+    tl.store(y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _nibble_f32(v, shift: tl.constexpr, MASK: tl.constexpr, XOR: tl.constexpr, BIAS: tl.constexpr):
+    """Bits [shift, shift + log2(MASK + 1)) of int32 v as fp32 less BIAS, by placing them in the
+    mantissa of 2^23 (one logic op and one subtraction; exact)."""
+    return ((v >> shift) & MASK ^ XOR).to(tl.float32, bitcast=True) - BIAS
+
+
+@triton.jit
+def _gemv_fma_kernel(x_ptr, w_ptr, y_ptr, N, row_words, stride_xm, stride_ys, stride_ym,
+                     blocks_per_split, FMT: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KB: tl.constexpr):
+    """q4_0 (FMT 1) / q8_0 (FMT 0), ROWS <= 4 rows of x. The blocks read as int16 words (18- and
+    34-byte blocks are only 2-byte aligned): q4_0's word i holds values 2i, 2i + 16, 2i + 1,
+    2i + 17 in its four nibbles; q8_0's holds values 2i, 2i + 1 as int8."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    WORDS: tl.constexpr = 8 if FMT == 1 else 16  # code words per block, after the fp16 scale
+    row = w_ptr + tl.where(mask_n, rn, 0)[:, None, None].to(tl.int64) * row_words  # [BN, 1, 1]
+    b = tl.arange(0, KB)[None, :, None]  # [1, KB, 1]
+    wi = tl.arange(0, WORDS)[None, None, :]  # [1, 1, WORDS]
+    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = pid_s * blocks_per_split
+    for kb0 in range(first, first + blocks_per_split, KB):
+        blk = row + (kb0 + b) * (WORDS + 1)  # [BN, KB, 1]
+        d = tl.reshape(tl.load(blk).to(tl.float16, bitcast=True).to(tl.float32), (BLOCK_N, KB))
+        v = tl.load(blk + 1 + wi).to(tl.int32)  # [BN, KB, WORDS], sign-extended
+        if FMT == 1:  # 2^23 + nibble, less 2^23 + 8
+            f0 = _nibble_f32(v, 0, 15, 0x4B000000, 8388616.0)
+            f1 = _nibble_f32(v, 4, 15, 0x4B000000, 8388616.0)
+            f2 = _nibble_f32(v, 8, 15, 0x4B000000, 8388616.0)
+            f3 = _nibble_f32(v, 12, 15, 0x4B000000, 8388616.0)
+        else:  # 2^23 + (int8 + 128), less 2^23 + 128
+            f0 = _nibble_f32(v, 0, 255, 0x4B000080, 8388736.0)
+            f2 = _nibble_f32(v, 8, 255, 0x4B000080, 8388736.0)
+        xb = x_ptr + (kb0 + b) * 32 + 2 * wi  # [1, KB, WORDS]
+        for r in tl.static_range(ROWS):
+            xr = xb + r * stride_xm
+            if FMT == 1:
+                t = f0 * tl.load(xr).to(tl.float32) + f1 * tl.load(xr + 16).to(tl.float32) \
+                    + f2 * tl.load(xr + 1).to(tl.float32) + f3 * tl.load(xr + 17).to(tl.float32)
+            else:
+                t = f0 * tl.load(xr).to(tl.float32) + f2 * tl.load(xr + 1).to(tl.float32)
+            s = tl.sum(tl.sum(t, axis=2) * d, axis=1)  # [BN]
+            if r == 0:
+                acc0 += s
+            elif r == 1:
+                acc1 += s
+            elif r == 2:
+                acc2 += s
+            else:
+                acc3 += s
+    y = y_ptr + pid_s * stride_ys + rn
+    for r in tl.static_range(ROWS):
+        acc = acc0 if r == 0 else (acc1 if r == 1 else (acc2 if r == 2 else acc3))
+        tl.store(y + r * stride_ym, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _split_sum_kernel(p_ptr, y_ptr, MN, N, stride_ym, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, n] = sum over s, in order, of p[s, m, n] (fp32 partials)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.load(p_ptr + i, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
+    tl.store(y_ptr + (i // N) * stride_ym + i % N, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, out_ptr, N, K, row_bytes, FMT: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, KB: tl.constexpr):
+    """out [N, K] (x's dtype) = the weight's values, KB blocks of 32 per program."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, 32)
+    mask_n = rn < N
+    row = w_ptr + tl.where(mask_n, rn, 0)[:, None].to(tl.int64) * row_bytes
+    for i in tl.static_range(KB):
+        kb = pid_k * KB + i
+        w = _weights32(row, kb, j, mask_n, FMT, TYPE_SIZE)
+        tl.store(out_ptr + rn[:, None].to(tl.int64) * K + kb * 32 + j[None, :],
+                 w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None])
+
+
 def supported(fmt: Format) -> bool:
     return fmt.name in KERNEL_FORMATS
 
 
-def qgemm(x: torch.Tensor, w: torch.Tensor, fmt: Format, out: torch.Tensor) -> None:
-    """out [M, N] = x [M, K] @ W^T, W uint8 [N, row_bytes] in `fmt`; x and out on one device."""
+GEMV_ROWS = 32  # up to here the split-K GEMV; past it dequantize, then cuBLAS
+FMA_ROWS = 2  # q4_0 / q8_0 calls up to here: the FMA kernel (no tensor cores, no conversions)
+_SMS: dict[int, int] = {}
+
+
+def _blocks_per_step(nblk: int) -> int:
+    return next(kb for kb in (8, 4, 2, 1) if nblk % kb == 0)
+
+
+def qgemm(x: torch.Tensor, w: torch.Tensor, fmt: Format, out: torch.Tensor,
+          tiles: tuple[int, int, int, int] | None = None) -> None:
+    """out [M, N] = x [M, K] @ W^T, W uint8 [N, row_bytes] in `fmt`; x and out on one device.
+    `tiles` (BLOCK_N, KB, splits, warps) overrides the decode-sized path's choice (the sweep)."""
     M, K = x.shape
     N = w.shape[0]
     assert x.stride(1) == 1 and out.stride(1) == 1 and w.is_contiguous() and K % 32 == 0
     assert w.shape[1] == fmt.row_bytes(K) and out.shape == (M, N)
-    bm = 16 if M <= 16 else 64  # decode-sized calls: one row tile, many column tiles
-    bn = 64
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _qgemm_kernel[grid](x, w, out, M, N, K, w.shape[1], x.stride(0), out.stride(0),
-                        FMT=KERNEL_FORMATS[fmt.name], TYPE_SIZE=fmt.type_size, BLOCK_M=bm, BLOCK_N=bn)
+    if M > GEMV_ROWS:
+        dequant_mm(x, w, fmt, out)
+    else:
+        gemv(x, w, fmt, out, tiles)
+
+
+def dequant_mm(x: torch.Tensor, w: torch.Tensor, fmt: Format, out: torch.Tensor) -> None:
+    """Prompt-sized calls: W to x's dtype in one pass, then cuBLAS."""
+    (M, K), N = x.shape, w.shape[0]
+    dense = torch.empty(N, K, dtype=x.dtype, device=x.device)
+    kb = _blocks_per_step(K // 32)
+    _dequant_kernel[(triton.cdiv(N, 32), K // 32 // kb)](
+        w, dense, N, K, w.shape[1], FMT=KERNEL_FORMATS[fmt.name], TYPE_SIZE=fmt.type_size,
+        BLOCK_N=32, KB=kb)
+    torch.mm(x, dense.t(), out=out) if out.is_contiguous() else out.copy_(x @ dense.t())
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, fmt: Format, out: torch.Tensor,
+         tiles: tuple[int, int, int, int] | None = None) -> None:
+    """Decode-sized calls (M <= GEMV_ROWS): the split-K kernels."""
+    (M, K), N = x.shape, w.shape[0]
+    code, nblk = KERNEL_FORMATS[fmt.name], K // 32
+    fma = M <= FMA_ROWS and code <= 1
+    bn, kb, splits, warps = tiles or _gemv_tiles(x.device, N, nblk, fma)
+    per = nblk // splits
+    assert per * splits == nblk and per % kb == 0, (nblk, kb, splits)
+    part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    ys = part.stride(0) if splits > 1 else 0
+    if fma:
+        _gemv_fma_kernel[(triton.cdiv(N, bn), splits)](
+            x, w.view(torch.int16), part, N, w.shape[1] // 2, x.stride(0), ys, part.stride(-2), per,
+            FMT=code, ROWS=M, BLOCK_N=bn, KB=kb, num_warps=warps)
+    else:
+        _qgemv_kernel[(triton.cdiv(N, bn), splits)](
+            x, w, part, M, N, K, w.shape[1], x.stride(0), ys, part.stride(-2), per,
+            FMT=code, TYPE_SIZE=fmt.type_size, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
+            KB=kb, num_warps=warps)
+    if splits > 1:
+        _split_sum_kernel[(triton.cdiv(M * N, 1024),)](part, out, M * N, N, out.stride(0),
+                                                        SPLITS=splits, BLOCK=1024)
+
+
+def _gemv_tiles(device: torch.device, n: int, nblk: int, fma: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, KB, splits, warps): 64-column tiles (the FMA kernel: 32), the K axis split until
+    there are >= 6 programs per SM (a 4096 x 4096 linear: 64 tiles x 16 splits on an H100's 132
+    SMs; the FMA kernel at least 4 splits), near the best of benchmarks/dev/quant_gemm_gpu.py
+    --sweep on an H100 (2026-11-26) for Llama-3-8B's shapes."""
+    if device.type != "cuda":  # the Triton interpreter (tests): a 2-SM device, so K still splits
+        sms = 2
+    else:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in _SMS:
+            _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        sms = _SMS[idx]
+    bn, kb = (32, 2) if fma else (64, 4)
+    kb = next(k for k in (kb, 2, 1) if nblk % k == 0)
+    tiles, splits = triton.cdiv(n, bn), 1
+    while (tiles * splits < 6 * sms or (fma and splits < 4)) and nblk % (2 * splits * kb) == 0:
+        splits *= 2
+    return bn, kb, splits, 4

@@ -48,3 +48,21 @@ def test_quantize_round_trip(name: str) -> None:
     rel = ((back - w).pow(2).mean() / w.pow(2).mean()).sqrt().item()
     assert rel < bound, rel
     assert rel > bound / 20  # it is a quantization, not a copy
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q8_0"])
+def test_torch_quantizer_bit_equal_to_gguf(name: str) -> None:
+    """quantize()'s torch path (it runs on a GPU's weights) against the gguf package's numpy
+    quantizer, on fresh random blocks with the edge cases: an all-zero block, a block whose
+    largest magnitude appears with both signs (q4_0 takes the first), values at a rounding
+    half (q8_0 rounds half away from zero), tiny and huge scales."""
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence().entropy % 2**31))
+    w = torch.randn(64, 512, generator=g) * torch.logspace(-6, 4, 64)[:, None]
+    w[0, :32] = 0
+    w[1, :32] = torch.linspace(-1, 1, 32)
+    w[1, 0], w[1, 5] = 2.0, -2.0
+    w[2, :32] = torch.arange(32) - 15.5  # halves once scaled by 127 / 16.5
+    ours = quantize(w, fmt)
+    ref = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(fmt.ggml_type))
+    assert np.array_equal(ours.numpy(), ref.reshape(64, -1))

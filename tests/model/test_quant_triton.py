@@ -20,8 +20,12 @@ from tests.model.test_qformats import random_blocks
 dev = sys.argv[1]
 for name in quant_triton.KERNEL_FORMATS:
     fmt = FORMATS[name]
-    shapes = ((1, (70, 128)), (5, (64, 256)), (40, (33, 96))) if fmt.block == 32 else \
-        ((1, (70, 256)), (5, (64, 512)), (40, (33, 768)))  # K formats: 256-value super-blocks
+    # Rows 1-16 take the split-K GEMVs (K split in 2-8 here; q4_0 / q8_0 up to FMA_ROWS rows
+    # the FMA kernel), more rows the dequantize-then-matmul path.
+    shapes = ((1, (70, 128)), (3, (64, 1024)), (5, (64, 2048)), (16, (40, 4096)), (40, (33, 96)), (300, (24, 64))) \
+        if fmt.block == 32 else ((1, (70, 256)), (3, (64, 1024)), (5, (64, 2048)), (16, (40, 4096)), (40, (33, 768)),
+                                 (300, (24, 256)))  # K formats: 256-value super-blocks
+    assert quant_triton._gemv_tiles(torch.device(dev), 40, 4096 // 32)[2] > 1  # K is split
     for m, (n, k) in shapes:
         raw = random_blocks(fmt, n, k, seed=m + fmt.ggml_type)
         w = dequantize(raw, fmt, k)
