@@ -96,8 +96,11 @@ def _deq_blocks(b: torch.Tensor, fmt: Format) -> torch.Tensor:  # [nb, type_size
         return (d * q.float() - dm).reshape(nb, 256)
     if fmt.name == "q6_k":
         ql, qh = b[:, 0:128].reshape(nb, 2, 1, 64), b[:, 128:192].reshape(nb, 2, 1, 32)
-        lo = ((ql >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).reshape(1, 1, 2, 1)) & 0x0F).reshape(nb, 2, 4, 32)
-        hi = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)) & 0x03  # [nb, 2, 4, 32]
+        # Shift amounts from arange, not torch.tensor(list): no host-to-device copy, so a CUDA
+        # graph can capture this (a quantized embedding dequantizes rows inside the decode step).
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=b.device)
+        lo = ((ql >> (2 * shifts[:2]).reshape(1, 1, 2, 1)) & 0x0F).reshape(nb, 2, 4, 32)
+        hi = (qh >> shifts.reshape(1, 1, 4, 1)) & 0x03  # [nb, 2, 4, 32]
         q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(nb, 16, 16).float()
         d = (_f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float())[:, :, None]
         return (d * q).reshape(nb, 256)

@@ -95,6 +95,8 @@ class QuantLinear(nn.Module):
         dst = getattr(self, f"qweight{seg}")
         assert fmt == self.fmts[seg] and raw.shape == (n, dst.shape[1]), \
             f"{shard or 'weight'}: {fmt.name} {tuple(raw.shape)} != {self.fmts[seg].name} ({n}, {dst.shape[1]})"
+        if dst.device.type not in ("meta", raw.device.type):  # a GPU model's blocks read on the host
+            raw = raw.to(dst.device)
         if n == dst.shape[0] and raw.is_contiguous():
             setattr(self, f"qweight{seg}", raw)  # adopt: no second copy
         else:

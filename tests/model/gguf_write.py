@@ -30,7 +30,9 @@ def _llama3_factors(cfg: Any) -> np.ndarray:
     return (base / scaled.double().numpy()).astype(np.float32)
 
 
-def write_gguf(model: Any, tokenizer: Any, path: Path) -> Path:
+def write_gguf(model: Any, tokenizer: Any, path: Path, quant: dict[str, str] | None = None) -> Path:
+    """`quant`: HF weight-name suffix -> block format (flatserve/model/qformats.py names): those
+    tensors are stored quantized, as a llama.cpp quantization of the file would store them."""
     import gguf
 
     cfg = model.config
@@ -58,7 +60,16 @@ def write_gguf(model: Any, tokenizer: Any, path: Path) -> Path:
             a = a + 1.0  # Gemma2Model.modify_tensors
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"no GGUF name for {hf_name}"
-        w.add_tensor(name, np.ascontiguousarray(a))
+        fmt = next((f for suffix, f in (quant or {}).items() if hf_name.endswith(suffix)), None)
+        if fmt is None:
+            w.add_tensor(name, np.ascontiguousarray(a))
+            continue
+        import torch
+
+        from flatserve.model.qformats import FORMATS, quantize
+
+        q = quantize(torch.from_numpy(a), FORMATS[fmt]).numpy()
+        w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType(FORMATS[fmt].ggml_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
