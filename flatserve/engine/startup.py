@@ -295,11 +295,10 @@ def _model_config(model: str | None) -> tuple[ModelSource, Any, ModelConfig]:
 
 
 def _keep_quantized(cfg: EngineConfig, device: torch.device) -> bool:
-    """GGUF block formats stay as stored unless --dequantize. CUDA keeps the dense path: the
-    Triton kernels read every format and pass their tests on an H100, but from 16 rows a step
-    they are slower than cuBLAS on the dequantized weights (docs/performance-gpu.md,
-    "Quantized weights"), and a GGUF served on a GPU is mostly served to many streams."""
-    return not cfg.dequantize and device.type == "cpu"
+    """GGUF block formats stay as stored unless --dequantize, on the CPU and on CUDA (the
+    Triton kernels; from 16 rows a step they are slower than cuBLAS on dequantized weights,
+    docs/performance-gpu.md "Quantized weights": --dequantize trades the memory for that)."""
+    return not cfg.dequantize and device.type in ("cpu", "cuda")
 
 
 def _tensor_bytes(model: torch.nn.Module) -> int:
