@@ -1,7 +1,9 @@
 """The default model's LM head (dequantized to bf16) for greedy rows: bf16 head + argmax vs the
-bounded 7-bit greedy head, on the AMX or the AVX2 kernel (whichever the CPU runs).
+bounded 7-bit greedy head, on the AMX or the AVX2 kernel (whichever the CPU runs). `--gguf`: the
+GGUF's own Q8_0 head (kept quantized) + argmax vs the bounded 4-bit greedy head
+(flatserve/model/greedy_q4.py).
 
-    .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30]
+    .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30] [--gguf]
 
 Real hidden states: the final-norm outputs of the benchmark's 16 prompts (benchmarks/offline_cpu.py)
 over 24 greedy steps. For each row count, the two paths alternate on the same inputs (median
@@ -22,17 +24,22 @@ sys.path.insert(0, ".")
 
 def main() -> None:
     from benchmarks.common import make_prompts
-    from flatserve import LLM, SamplingParams
-    from flatserve import kernels
+    from flatserve import LLM, SamplingParams, kernels
     from flatserve.model.greedy_head import x_stats
+    from flatserve.model.quant import kernel as greedy_q4_ext
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--gguf", action="store_true", help="the quantized Q8_0 head and its 4-bit copy")
     a = ap.parse_args()
-    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, dequantize=True)  # the bf16 head
+    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, dequantize=not a.gguf)
     model = llm.engine.runner.model
     greedy = llm.engine.runner.greedy_head
+    if a.gguf:
+        from flatserve.model.greedy_q4 import Q4GreedyHead
+
+        greedy = greedy or Q4GreedyHead(model.lm_head)
     assert greedy is not None, "needs the AMX or AVX2 path with greedy_int8_head on"
     hidden: list[torch.Tensor] = []
     orig = model.compute_logits
@@ -53,10 +60,15 @@ def main() -> None:
     model.compute_logits, greedy.forward = orig, greedy_call
     h = torch.cat(hidden)  # [R, K]
     head = greedy.head
-    n, k = greedy.qweight.shape
-    print(f"{h.shape[0]} hidden rows; head {n} x {k}; bf16 reads {n * k * 2 / 1e6:.0f} MB, "
-          f"7-bit copy {(n * k + 12 * n) / 1e6:.0f} MB")
-    print("| rows | bf16 head + argmax ms | 7-bit greedy ms | ratio | its candidate kernel ms | "
+    if a.gguf:
+        n, k = head.out_features, head.in_features
+        print(f"{h.shape[0]} hidden rows; head {n} x {k}; Q8_0 reads {head.weight_bytes() / 1e6:.0f} MB, "
+              f"4-bit copy {greedy.nbytes / 1e6:.0f} MB")
+    else:
+        n, k = greedy.qweight.shape
+        print(f"{h.shape[0]} hidden rows; head {n} x {k}; bf16 reads {n * k * 2 / 1e6:.0f} MB, "
+              f"7-bit copy {(n * k + 12 * n) / 1e6:.0f} MB")
+    print("| rows | full head + argmax ms | bounded greedy ms | ratio | its candidate kernel ms (4-bit: with the rescoring) | "
           "candidates median / max |")
     print("|---|---|---|---|---|---|")
     for m in (int(x) for x in a.rows.split(",")):
@@ -72,8 +84,12 @@ def main() -> None:
             full_t.append(t1 - t0)
             int8_t.append(t2 - t1)
             t3 = time.perf_counter()
-            off, _, _ = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
-                                                x_stats(x))
+            if a.gguf:
+                _, cnt = greedy_q4_ext().greedy_q4_argmax(x, greedy.copy, head.qweight0, greedy.wmax)
+                off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+            else:
+                off, _, _ = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
+                                                    x_stats(x))
             kern_t.append(time.perf_counter() - t3)
             counts += (off[1:] - off[:-1]).tolist()
         f, g = statistics.median(full_t) * 1e3, statistics.median(int8_t) * 1e3

@@ -42,6 +42,9 @@
 #include <vector>
 
 #include "quant_blocks.h"
+#include "greedy_q4.h"
+
+namespace greedy_q4 = flatserve::greedy_q4;
 
 namespace {
 
@@ -473,6 +476,76 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   return bias.numel() ? out + bias : out;
 }
 
+// The greedy head on a Q8_0 head (flatserve/csrc/greedy_q4.h, model/greedy_q4.py): x [M <= 16, K]
+// finite; copy [N, 18 nbp] the 4-bit copy (nbp: K / 32 rounded up to even); w8 [N, K / 32 * 34]
+// the head's Q8_0 rows; wmax >= every |w| of the head and of the copy -> (tokens [M], candidate
+// rows per token [M]) int64. tokens[t] is row_argmax(head(x))[t]: each candidate row is scored
+// with the head's own dot and rounded to x's dtype as gemm stores it, the first maximum wins.
+std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& copy, const at::Tensor& w8,
+                                         double wmax) {
+  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0), nb = K / 32, nbp = (nb + 1) / 2 * 2;
+  TORCH_CHECK(x.dim() == 2 && M >= 1 && M <= greedy_q4::kMaxTokens && K % 32 == 0 && K <= 16384 &&
+              w8.dim() == 2 && w8.scalar_type() == at::kByte && w8.is_contiguous() && w8.size(1) == nb * 34 &&
+              copy.dim() == 2 && copy.scalar_type() == at::kByte && copy.is_contiguous() &&
+              copy.size(0) == N && copy.size(1) == 18 * nbp && N >= 1,
+              "greedy_q4_argmax: x [M <= 16, K % 32 == 0], w8 [N, K / 32 * 34], copy [N, 18 nbp] uint8");
+  const std::vector<at::Tensor> acts = quantize_act(x.contiguous());
+  const Acts ac{acts[0].data_ptr<int16_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<float>(), K};
+  greedy_q4::XPack xp;
+  greedy_q4::pack_x(ac.q, ac.d, M, K, wmax, xp);
+  const uint8_t* w8p = w8.data_ptr<uint8_t>();
+  auto exact = [&](int64_t n, int64_t t) {  // the head's fp32 logit: its own dot, its bits
+    Unpacked u{nullptr, nullptr, nullptr, w8p + n * w8.size(1)};
+    float r;
+    dot_rows<1>(u, ac, t, false, &r);
+    return r;
+  };
+  const auto dtype = x.scalar_type();
+  auto stored = [dtype](float y) {  // the logit as gemm stores it in x's dtype (store())
+    if (dtype == at::kBFloat16) return static_cast<float>(static_cast<at::BFloat16>(y));
+    if (dtype == at::kHalf) return static_cast<float>(static_cast<at::Half>(y));
+    return y;
+  };
+  const int64_t P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 64));
+  std::vector<greedy_q4::Part> parts(P);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      greedy_q4::rows(xp, copy.data_ptr<uint8_t>(), copy.size(1), N * p / P, N * (p + 1) / P, exact, parts[p]);
+  });
+  at::Tensor tokens = at::empty({M}, at::kLong), counts = at::empty({M}, at::kLong);
+  at::parallel_for(0, M, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float v = -INFINITY, best = -INFINITY;
+      for (const auto& part : parts) v = std::max(v, part.v[t]);
+      const float thr = v - greedy_q4::tie_margin(v);
+      int64_t n_best = -1, cnt = 0;
+      for (const auto& part : parts)  // parts and their lists run in ascending row order
+        for (const greedy_q4::Cand& cd : part.cand[t]) {
+          if (cd.upper + std::fabs(cd.upper) * 0x1p-20f < thr) continue;
+          ++cnt;
+          const float y = stored(exact(cd.n, t));
+          if (y > best || n_best < 0) best = y, n_best = cd.n;  // ties: the first row
+        }
+      tokens.data_ptr<int64_t>()[t] = n_best, counts.data_ptr<int64_t>()[t] = cnt;
+    }
+  });
+  return {tokens, counts};
+}
+
+// Q8_0 rows [N, K / 32 * 34] -> (the 4-bit copy [N, 18 nbp] uint8, wmax): greedy_q4.h.
+std::tuple<at::Tensor, double> greedy_q4_copy(const at::Tensor& w8, int64_t K) {
+  const int64_t N = w8.size(0), nb = K / 32, nbp = (nb + 1) / 2 * 2;
+  TORCH_CHECK(w8.dim() == 2 && w8.scalar_type() == at::kByte && w8.is_contiguous() && K % 32 == 0 &&
+              w8.size(1) == nb * 34, "greedy_q4_copy: Q8_0 rows [N, K / 32 * 34]");
+  at::Tensor copy = at::empty({N, 18 * nbp}, w8.options());
+  std::vector<double> wmax(std::max<int64_t>(1, N / 4096 + 1), 0.0);
+  at::parallel_for(0, N, 4096, [&](int64_t n0, int64_t n1) {
+    double& m = wmax[n0 / 4096];
+    m = std::max(m, greedy_q4::quantize_rows(w8.data_ptr<uint8_t>(), n0, n1, nb, copy.data_ptr<uint8_t>()));
+  });
+  return {copy, *std::max_element(wmax.begin(), wmax.end())};
+}
+
 std::string isa() { return QG_AVX2 ? "avx2" : "portable"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -483,6 +556,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("col"));
   m.def("dequant", &dequant, "W's blocks -> dense rows (the torch reference's bits in fp32)");
   m.def("quant_linear", &quant_linear, "x @ W^T (+ bias) for a packed linear (QuantLinear.pack)");
+  m.def("greedy_q4_argmax", &greedy_q4_argmax,
+        "row_argmax(x @ W^T) on a Q8_0 head, candidates from its 4-bit copy -> (tokens, candidates per token)");
+  m.def("greedy_q4_copy", &greedy_q4_copy, "Q8_0 rows -> the greedy head's 4-bit copy, wmax");
   m.def("isa", &isa, "the vector path compiled in");
 }
 

@@ -1,0 +1,109 @@
+"""Exact greedy decoding on a Q8_0 LM head that reads about half its bytes (CPU, `greedy_int8_head`).
+
+Why: at one request a decode step of the default GGUF spends ~12.5 ms of ~30 reading the tied
+Q8_0 head (262k x 640, 178 MB at the ~13 GB/s a 2-core EPYC copies). For greedy rows only the
+argmax matters, so the candidate pass (flatserve/csrc/greedy_q4.h) reads a 4-bit copy instead
+(one fp16 scale per 32 weights, 94 MB) and keeps the rows that could hold the argmax; those rows
+are then rescored on the Q8_0 head by QuantLinear._int16's own kernel calls (quantize_act, gemm),
+so the token is the one `row_argmax(head(x))` gives, ties to the first index included.
+
+The bound (rigorous, not statistical). The head computes, for x's int16 codes xr = xd * xq (per
+32 values), Y_n = sum_k W_nk xr_k in fp32; the copy holds W4_nk = d_nb c_nk with |W_nk - W4_nk|
+<= d_nb / 2 (d_nb = max_b |W| / 7 rounded up to fp16, c = round(W / d) in [-7, 7]: checked in
+float64, where W = D q is exact). So
+    |Y_n - A_n| <= sum_b (d_nb / 2) |xr_b|_1 + slack,
+A_n being the pass's fp32 value of sum_k W4_nk xr_k. slack covers both fp32 dots: each term
+rounds at most nb + 5 times (nb = K / 32 accumulations per lane, the scale product, the
+horizontal sum), so (nb + 16) 2^-23 (twice that) times sum_k (|W_nk| + |W4_nk|) |xr_k| <=
+2.02 wmax |xr|_1 (wmax: the largest |W| or |W4| of the head, |W4| <= 7 d <= max |W| (1 + 2^-10)).
+The bound's own fp32 sums are rounded up in the kernel.
+
+The candidates are the rows whose upper bound reaches an exact logit v (less a bf16 tie margin);
+the pass scores exactly each row whose estimate is the best so far, so v is close to the maximum
+and the set small: on the default model ~1.4k rows a token (max 3.8k) of 262k, where the best
+lower bound max(A - B) as threshold kept ~119k (csrc/greedy_q4.h).
+
+Memory: N x (K / 2 + K / 16) bytes (94 MB for Gemma 3 270M), counted as weights; opt out with
+`--no-greedy-int8-head`. Rows that need logits (sampling, penalties, logprobs) read the head.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatserve import kernels
+from flatserve.model import quant
+from flatserve.model.qformats import FORMATS
+
+# Rows per call the pass takes; more go to the full head. The pass costs more arithmetic per
+# block than the head (9.5 cycles a block at one row against 7.7, L2-resident rows) and grows with
+# the rows, while the head streams its bytes once for all rows: the default model's head at 1, 2
+# and 4 rows took 1.23x, 0.99x and 0.83x the full head's speed (benchmarks/dev/cpu_greedy_head.py
+# --gguf, 2-core EPYC, 2026-11-26, a busy box). So one row: a one-stream decode step.
+MAX_ROWS = 1
+Q8_0 = FORMATS["q8_0"]
+
+
+def quantize_q4(q8: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+    """Q8_0 rows [N, K / 32 * 34] -> (copy [N, 18 nbp] uint8, wmax); nbp: K / 32 rounded up to
+    even (a last odd block pairs with a zero one). Per row: 32 bytes a pair of blocks (value j of
+    block 2i in byte j's low nibble, of block 2i + 1 in its high one, as c + 8: one load and two
+    masks give 64 codes), then one fp16 scale a block. In C++ (csrc/greedy_q4.h quantize_rows):
+    the same in float64 torch took 23 s for the default model's head, a start-up cost."""
+    ext = quant.kernel()
+    assert ext is not None, "the quantized-linear kernel did not build"
+    copy, wmax = ext.greedy_q4_copy(q8.contiguous(), k)
+    return copy, wmax * (1 + 2.0**-20)
+
+
+def eligible(head: nn.Module) -> bool:
+    """A QuantLinear LM head of one Q8_0 segment, no bias, no act-order permutation, whose
+    kernel has the vector build (the portable build keeps the full head: its scalar pass would
+    be slower than the head it saves)."""
+    if not isinstance(head, quant.QuantLinear) or head.bias is not None or head.perm.numel():
+        return False
+    ext = quant.kernel()
+    return head.fmts == [Q8_0] and ext is not None and ext.isa() != "portable"
+
+
+class Q4GreedyHead(nn.Module):
+    """tokens = argmax over the vocabulary of `head(x)` for a Q8_0 QuantLinear head whose logits
+    the model uses as they are (no softcap, no scaling)."""
+
+    def __init__(self, head: quant.QuantLinear) -> None:
+        super().__init__()
+        assert head.fmts == [Q8_0] and head.bias is None and not head.perm.numel()
+        self.head = head
+        copy, self.wmax = quantize_q4(head.qweight0, head.in_features)
+        self.register_buffer("copy", copy)
+        self.calls = self.fallbacks = 0  # calls, and those the full head answered
+        self.last_counts = torch.empty(0, dtype=torch.int64)  # candidate rows per token, last call
+
+    @property
+    def nbytes(self) -> int:
+        return self.copy.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
+        self.calls += 1
+        ext = quant.kernel()
+        if ext is None or not 0 < x.shape[0] <= MAX_ROWS or not bool(torch.isfinite(x).all()):
+            return self._full(x)  # NaN / inf: the bound means nothing there
+        # The pass and the candidates' rescoring on the head's own dot, in one call: a parallel
+        # region per kernel call costs a scheduler slice whenever the box is shared.
+        tokens, self.last_counts = ext.greedy_q4_argmax(x.contiguous(), self.copy, self.head.qweight0, self.wmax)
+        return tokens
+
+    def _full(self, x: torch.Tensor) -> torch.Tensor:
+        self.fallbacks += 1
+        return kernels.row_argmax(self.head(x))
+
+
+def for_model(model: nn.Module, mcfg: object) -> Q4GreedyHead | None:
+    """The bounded 4-bit greedy head where its argmax is the model's: an eligible Q8_0 LM head
+    whose logits are used as they are (no softcap, no logits scaling: either rounds in the
+    model's dtype after the head, which can merge logits into ties the head did not have);
+    else None. engine/startup.py's _greedy_head is the caller (next to the 7-bit bf16 head)."""
+    head = getattr(model, "lm_head", None)
+    if getattr(mcfg, "final_logit_softcap", None) is not None or getattr(mcfg, "logits_scaling", 1.0) != 1.0:
+        return None
+    return Q4GreedyHead(head) if eligible(head) else None

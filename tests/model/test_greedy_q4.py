@@ -1,0 +1,161 @@
+"""The bounded 4-bit greedy head on a Q8_0 LM head (flatserve/model/greedy_q4.py), at every ISA
+level this CPU runs: its token is `row_argmax(head(x))` of the quantized head itself, bit for
+bit (ties to the first index included), on fresh random heads and inputs with outlier channels,
+exact ties and ties one code step apart; the copy's error stays within its bound; non-finite
+rows fall back to the head."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flatserve import kernels
+from flatserve.model import greedy_q4, quant
+from flatserve.model.greedy_q4 import Q4GreedyHead, eligible, quantize_q4
+from flatserve.model.qformats import FORMATS, dequantize, quantize
+from tests.conftest import require_kernel
+
+Q8_0 = FORMATS["q8_0"]
+
+
+def _head(w: torch.Tensor) -> quant.QuantLinear:
+    lin = quant.QuantLinear(w.shape[1], {"": (w.shape[0], Q8_0)})
+    lin.load_quant("", quantize(w, Q8_0), Q8_0)
+    return lin
+
+
+def _weights(n: int, k: int) -> torch.Tensor:
+    # rows of different scales, and a few channels with larger weights (as LM heads have)
+    w = torch.randn(n, k) * torch.rand(n, 1) * 0.1
+    w[:, torch.randperm(k)[:4]] *= 5
+    return w
+
+
+def _x(rows: int, k: int) -> torch.Tensor:
+    x = torch.randn(rows, k)
+    for c in random.sample(range(k), 3):  # outlier channels of either sign, as hidden states have
+        x[:, c] *= random.choice([-40.0, 40.0])
+    return x
+
+
+def _decode_copy(copy: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The copy back to (W4 [n, k] float64, d [n, nb] float64), from its documented layout."""
+    nb = k // 32
+    nbp = (nb + 1) // 2 * 2
+    pairs = copy[:, :16 * nbp].view(n, nbp // 2, 32).long()
+    codes = torch.stack([(pairs & 15) - 8, (pairs >> 4) - 8], 2).view(n, nbp, 32)
+    d = copy[:, 16 * nbp:16 * nbp + 2 * nb].contiguous().view(torch.float16).double()
+    assert (codes[:, nb:] == 0).all(), "a padding block holds codes"
+    return (codes[:, :nb] * d[..., None]).reshape(n, k), d
+
+
+@pytest.mark.parametrize("k", [640, 96])  # the default model's K, and an odd number of blocks
+def test_copy_errs_at_most_half_a_step(k: int, cpu_isa: str) -> None:
+    require_kernel(quant._ext)
+    n = 200
+    w = _weights(n, k)
+    q8 = quantize(w, Q8_0)
+    copy, wmax = quantize_q4(q8, k)
+    w4, d = _decode_copy(copy, n, k)
+    wq = dequantize(q8, Q8_0, k).double()  # the head's values: exact in float64
+    err = (wq - w4).abs().view(n, -1, 32)
+    assert (err <= d[..., None] / 2).all()
+    assert (w4.abs() <= 7 * d.repeat_interleave(32, 1)).all()
+    assert wmax >= wq.abs().max().item() and wmax >= w4.abs().max().item() / (1 + 2**-10)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_tokens_equal_the_quantized_head_argmax(rows: int, cpu_isa: str, monkeypatch) -> None:
+    require_kernel(quant._ext)
+    monkeypatch.setattr(greedy_q4, "MAX_ROWS", 16)  # the kernel's whole range, not the served one
+    n, k = 64 * random.randint(40, 120), random.choice([640, 96])
+    w = _weights(n, k)
+    a, b = sorted(random.sample(range(n), 2))
+    w[b] = torch.randn(k) * 0.1  # at the largest scale, so that x = 40 w_b makes it the best
+    w[a] = w[b]  # an exact tie: the first index must win
+    head = _head(w)
+    greedy = Q4GreedyHead(head)
+    x = _x(rows, k)
+    x[0] = w[b] * 40  # row 0's best: rows a and b tie exactly
+    for dtype in (torch.bfloat16, torch.float32):
+        xd = x.to(dtype)
+        ref = kernels.row_argmax(head(xd))
+        if dtype == torch.float32:
+            assert ref[0].item() == a
+        got = greedy(xd)
+        assert torch.equal(got, ref), (dtype, got, ref)
+    assert greedy.fallbacks == 0 and (greedy.last_counts >= 1).all()
+
+
+def test_ties_one_code_step_apart(cpu_isa: str, monkeypatch) -> None:
+    """Copies of the winning row with one Q8_0 code moved by one step: logits equal or one
+    product apart, often equal after the head's bf16 rounding; the first maximum must win."""
+    require_kernel(quant._ext)
+    monkeypatch.setattr(greedy_q4, "MAX_ROWS", 16)
+    n, k = 64 * 40, 640
+    w = _weights(n, k)
+    q8 = quantize(w, Q8_0)
+    win = 700
+    for i, row in enumerate([10, 300, 1500, 2500]):
+        q8[row] = q8[win]
+        j = 2 + 34 * (i % 20) + 2 + i  # a code byte of block i % 20
+        code = q8[row, j].view(torch.int8)
+        q8[row, j] = (code + (1 if code < 127 else -1)).view(torch.uint8)
+    head = quant.QuantLinear(k, {"": (n, Q8_0)})
+    head.load_quant("", q8, Q8_0)
+    greedy = Q4GreedyHead(head)
+    wq = dequantize(q8, Q8_0, k)
+    x = (wq[win] * 25)[None].repeat(16, 1)
+    x[1:] += torch.randn(15, k) * torch.linspace(0.01, 2.0, 15)[:, None]
+    for dtype in (torch.bfloat16, torch.float32):
+        ref = kernels.row_argmax(head(x.to(dtype)))
+        assert torch.equal(greedy(x.to(dtype)), ref)
+    assert greedy.fallbacks == 0
+
+
+def test_non_finite_rows_and_large_calls_take_the_head(cpu_isa: str) -> None:
+    require_kernel(quant._ext)
+    n, k = 64 * 20, 640
+    head = _head(_weights(n, k))
+    greedy = Q4GreedyHead(head)
+    x = _x(greedy_q4.MAX_ROWS + 1, k).bfloat16()
+    assert torch.equal(greedy(x), kernels.row_argmax(head(x)))  # past MAX_ROWS
+    x[1, 3] = float("nan")
+    assert torch.equal(greedy(x[:4]), kernels.row_argmax(head(x[:4])))
+    assert greedy.fallbacks == 2
+
+
+def test_only_a_plain_q8_0_head_on_a_vector_build_is_eligible(monkeypatch) -> None:
+    n, k = 64, 640
+    head = _head(_weights(n, k))
+    ext = quant.kernel()
+    assert eligible(head) == (ext is not None and ext.isa() != "portable")
+    q6 = quant.QuantLinear(256, {"": (n, FORMATS["q6_k"])})
+    assert not eligible(q6)
+    head.bias = torch.nn.Parameter(torch.zeros(n))
+    assert not eligible(head)
+
+
+def test_default_model_greedy_tokens_with_and_without_the_head(default_model_path, monkeypatch) -> None:
+    """The default GGUF (tied Q8_0 head): greedy generation through the bounded head gives the
+    full head's tokens, one request and four at once (the kernel's range past MAX_ROWS)."""
+    from flatserve import LLM, SamplingParams
+
+    monkeypatch.setattr(greedy_q4, "MAX_ROWS", 16)
+    llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
+              greedy_int8_head=False)
+    runner = llm.engine.runner
+    head = greedy_q4.for_model(runner.model, runner.cfg)
+    assert head is not None, "the default model's head is a plain Q8_0 QuantLinear"
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for batch in ([prompts[0]], prompts):
+        ref = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
+        runner.greedy_head = head
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
+        finally:
+            runner.greedy_head = None
+        assert got == ref
+    assert head.calls >= 12 and head.fallbacks == 0
