@@ -366,13 +366,16 @@ def _pack(model: torch.nn.Module, device: torch.device, gemm: str, copy_tied: bo
 
 
 def _greedy_head(model: torch.nn.Module, mcfg: ModelConfig, gemm: str) -> torch.nn.Module | None:
-    """The 7-bit bounded greedy head where its argmax is the model's: an AMX or AVX2 LM head
-    (the AVX2 kernel's vector build) without bias whose logits are used as they are (no
-    softcap); else None."""
-    from flatserve.model import amx, avx2
+    """The bounded greedy head where its argmax is the model's: for a CPU Q8_0 LM head (a
+    GGUF's, kept quantized) the 4-bit copy (model/greedy_q4.py); for an AMX or AVX2 LM head (the
+    AVX2 kernel's vector build) without bias whose logits are used as they are (no softcap) the
+    7-bit copy; else None."""
+    from flatserve.model import amx, avx2, greedy_q4
     from flatserve.model.greedy_head import Int8GreedyHead
 
     head = getattr(model, "lm_head", None)
+    if getattr(head, "qweight0", torch.empty(0, device="meta")).device.type == "cpu":
+        return greedy_q4.for_model(model, mcfg)
     ok = (gemm == "amx" and isinstance(head, amx.AMXLinear)) or \
         (gemm == "avx2" and isinstance(head, avx2.AVX2Linear) and head.ext.vectorized())
     if not ok or head.bias.numel() or mcfg.final_logit_softcap is not None:
