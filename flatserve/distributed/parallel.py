@@ -24,7 +24,7 @@ from torch import nn
 from flatserve.distributed.group import TPGroup
 from flatserve.memory import BudgetError, BudgetRequest, CacheBudget, MemoryProbe, plan
 from flatserve.model.config import ModelConfig
-from flatserve.model.layers import Attention, GatedMLP, PackedLinear
+from flatserve.model.layers import Attention, Embedding, GatedMLP, PackedLinear
 
 log = logging.getLogger("flatserve")
 
@@ -103,7 +103,7 @@ class _VocabRows:
         param.data[:have].copy_(tensor.narrow(0, self.start, have))
 
 
-class VocabParallelEmbedding(_VocabRows, nn.Embedding):
+class VocabParallelEmbedding(_VocabRows, Embedding):  # no init on meta
     def __init__(self, vocab: int, dim: int, group: TPGroup) -> None:
         n = -(-vocab // group.size)  # padded: V need not divide by tp
         nn.Embedding.__init__(self, n, dim)

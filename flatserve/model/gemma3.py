@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from flatserve.model.config import ModelConfig
-from flatserve.model.layers import Attention, DecoderLayers, GatedMLP, RMSNorm, norm_then_add_norm
+from flatserve.model.layers import Attention, DecoderLayers, Embedding, GatedMLP, RMSNorm, norm_then_add_norm
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -41,7 +41,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = DecoderLayers(Gemma3DecoderLayer(cfg, i, qk_norm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.embed_scale = cfg.hidden_size ** 0.5

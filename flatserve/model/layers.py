@@ -13,6 +13,17 @@ from flatserve.attention.metadata import current_metadata
 from flatserve.model.config import ModelConfig, RopeConfig
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that skips its random initialiser on the meta device (weights are loaded
+    over it). On meta, `normal_` runs through torch's Python refs, whose first call imports
+    torch._dynamo and with it triton: 66 MB of libtriton.so resident (~90 MB RSS in all) in a
+    CPU-only engine, which never compiles anything (docs/performance-cpu.md)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * w (Llama, Qwen) or * (1 + w) (Gemma: `offset=1`), computed in fp32 like HF.
 
@@ -129,7 +140,12 @@ class Rotary(nn.Module):
         super().__init__()
         self.rope, self.dim = rope, dim
         self.longrope = rope.rope_type == "longrope"
-        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+        # On the meta device (the loader's skeleton) only the shape: reset_buffers fills it after
+        # to_empty. Computed there, it ran torch's Python refs, whose first call imports
+        # torch._dynamo and triton (66 MB of libtriton.so resident in a CPU-only engine).
+        meta = torch.empty(0).is_meta
+        inv = torch.empty((dim + 1) // 2) if meta else rope_inv_freq(rope, dim)  # [D/2]
+        self.register_buffer("inv_freq", inv, persistent=False)
         self.store = RopeTable()
 
     def reset_buffers(self) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from flatserve.model.config import ModelConfig
-from flatserve.model.layers import Attention, DecoderLayers, RMSNorm
+from flatserve.model.layers import Attention, DecoderLayers, Embedding, RMSNorm
 from flatserve.model.moe import mlp_for
 
 
@@ -45,7 +45,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = DecoderLayers(LlamaDecoderLayer(cfg, i, qk_norm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_multiplier = cfg.embedding_multiplier  # Granite: 12 on 3.x; else 1
