@@ -10,8 +10,8 @@
 // best so far (a few dozen times per thread), that row is scored on the Q8_0 head with the
 // head's own dot (`exact`). Against v, not against the best lower bound max(A - B), because the
 // candidate count is steep in the margin: on the default model's real hidden states the d / 2
-// bound gave ~119k of 262k rows against max(A - B) and 1.4k (max 3.8k) against v
-// (2-core AMD EPYC, 2026-11-26, /tmp analysis of 24 decode rows).
+// bound keeps ~119k of 262k rows against max(A - B) (an offline float64 check of 24 decode rows),
+// ~3k (max 4.9k) against v (benchmarks/dev/cpu_greedy_head.py --gguf, 2026-11-26).
 //
 // Only the ISA-specific block dot differs between the builds; A's summation order is free (the
 // slack covers any order), the exact rescoring is the head's.
@@ -51,8 +51,9 @@ inline float tie_margin(float v) { return std::fabs(v) * 0x1p-6f + 1e-30f; }
 // would cost the pass a multiply per block per token, so x is requantized once per token:
 // xr = xd * xq (the head's view of x, exact in double) ~= sx * x', x' int16 in ACT_ORDER like
 // the head's codes. |xr - sx x'|_1 per block (E_b) joins the bound: B_n = sum_b d_nb
-// (|xr_b|_1 / 2 + 7 E_b); E is 1/65534 of max |x| a value at most (~0.1% of B on the default
-// model's hidden states).
+// (|xr_b|_1 / 2 + 7 E_b); each value errs by at most max |x| / 65534, small against the |xr_b|_1
+// / 2 of the copy's own error (an int8 x' would add about as much again: max / mean |x| is ~22
+// in the default model's hidden states).
 struct XPack {
   int64_t M = 0, K = 0, nb = 0, nbp = 0, nb8 = 0;  // nbp: nb rounded up to even; nb8: to 8
   std::vector<int16_t> xq;      // [M][32 nbp], each block in ACT_ORDER, zero past K
@@ -111,7 +112,7 @@ inline float dot_d(const float* d, const float* v, int64_t nb8) {
 // u = c + 8; zero-extended to int16 by unpacklo/hi (values 0-7 | 16-23 and 8-15 | 24-31: ACT_ORDER)
 // for vpmaddwd, as the head dots its codes. Two multiplies per block per token, as the head: a
 // vpmaddubsw pair on x split into bytes took four, and 9.8 against the head's 7.4 cycles a block
-// at one token (L2-resident rows, 2-core EPYC). Per lane 4 |u x'| <= 2^21: exact in fp32.
+// at one token (L2-resident rows, 2-core EPYC); this, 9.5 against 7.7 in the same sitting. Per lane 4 |u x'| <= 2^21: exact in fp32.
 template <int MT>
 inline void dot_u(const XPack& x, const uint8_t* row, const float* d, int64_t t0, float* out) {
   const int64_t KP = 32 * x.nbp;

@@ -20,8 +20,8 @@ The bound's own fp32 sums are rounded up in the kernel.
 
 The candidates are the rows whose upper bound reaches an exact logit v (less a bf16 tie margin);
 the pass scores exactly each row whose estimate is the best so far, so v is close to the maximum
-and the set small: on the default model ~1.4k rows a token (max 3.8k) of 262k, where the best
-lower bound max(A - B) as threshold kept ~119k (csrc/greedy_q4.h).
+and the set small: on the default model ~3k rows a token (max 4.9k) of 262k, where the best
+lower bound max(A - B) as threshold keeps ~119k (csrc/greedy_q4.h).
 
 Memory: N x (K / 2 + K / 16) bytes (94 MB for Gemma 3 270M), counted as weights; opt out with
 `--no-greedy-int8-head`. Rows that need logits (sampling, penalties, logprobs) read the head.
