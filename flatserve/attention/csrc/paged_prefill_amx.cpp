@@ -230,7 +230,9 @@ void attend_block(Scratch& w, const uint16_t* q, uint16_t* out, const uint16_t* 
   std::memset(w.o, 0, sizeof(float) * kRows * g.d);
   const int64_t first = r.q_start + t0, last = r.q_start + t1 - 1;
   const int64_t lo = g.window > 0 ? std::max(r.k_lo, first - g.window + 1) : r.k_lo;
-  for (int64_t pj = (lo - r.k_lo) / 32 * 32; pj < last + 1 - r.k_lo; pj += kKeys) {
+  // Steps keyed to absolute positions (k_lo is a multiple of kKeys); steps wholly behind a
+  // row's window are no-ops for it (softmax_rows: empty range, P zero, m and l untouched).
+  for (int64_t pj = (lo - r.k_lo) / kKeys * kKeys; pj < last + 1 - r.k_lo; pj += kKeys) {
     const int64_t bk = std::min(kKeys, (last + 1 - r.k_lo - pj + 31) / 32 * 32);
     scores(w, kp, pj, bk, g);
     const int64_t base = r.k_lo + pj;  // position of the step's first key
@@ -343,7 +345,11 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     TORCH_CHECK(n >= 1 && n <= L && (L + g.bs - 1) / g.bs <= g.max_blocks,
                 "paged_prefill: each sequence needs 1..seq_len rows and its blocks in the table");
     const int64_t q_start = L - n;
-    const int64_t k_lo = window > 0 ? std::max<int64_t>(0, q_start - window + 1) : 0;
+    // Softmax steps start at absolute multiples of kKeys (k_lo is one): a row's steps, and so
+    // its bits, do not depend on which rows share its chunk or tile. From the window's start
+    // they had depended on the chunk's first row, so a windowed prompt's rows differed whole
+    // and chunked (tests/attention/test_cpu_prefill.py, window 40, on an AMX host).
+    const int64_t k_lo = window > 0 ? std::max<int64_t>(0, q_start - window + 1) / kKeys * kKeys : 0;
     const int64_t packed = (L - k_lo + 31) / 32 * 32;
     const int64_t size = g.hkv * packed * g.d;
     if (!batches.back().empty() && (total + size) * 4 > kPackBudget) {
