@@ -69,8 +69,17 @@ def test_kernel_matches_reference_on_its_int16_activations(name, rows, cpu_isa) 
     lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
     x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
     got = lin(x).double()
-    ref = _act_dequant(x).double() @ w.double().t()
-    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item() + 1e-6
+    xa = _act_dequant(x).double()
+    ref = xa @ w.double().t()
+    # fp32 rounding: each product's share is rounded at most ~K/32 + 8 times (per-block integer
+    # dots are exact; the block scales' products and the running sum round), so the error is
+    # bounded by that many 2^-24 of sum |x w|, not by |ref|, which cancellation can make tiny
+    # (the relative-to-max bound alone failed one draw of q6_k at one row and one column). The
+    # K formats with a min sum d sc q x and dmin m x apart, terms that |w| does not bound: for
+    # them the relative-to-max bound, which every draw so far met, still holds.
+    err = (got - ref).abs()
+    bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
+    assert ((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all()
     # and the int16 codes stay close to the float activations: each is within half a step
     # (amax / 65534 <= |x| / 65534) of its value, so the error vector is at most sqrt(K) |x| / 65534
     # long and |error . w| at most that times |w| (Cauchy-Schwarz), plus fp32 summation
