@@ -90,11 +90,6 @@ def sweep(formats: list[str]) -> None:
             t = do_bench(lambda: qt.gemv(x, w, fmt, out, (bn, kb, sp, wp)), warmup=5, rep=20) * 1e3
             res.append((t, bn, kb, sp, wp))
         res.sort()
-        if qt.KERNEL_FORMATS[f] <= 1:  # the FMA kernel's activation loads, A/B
-            for xs in (False, True):
-                qt.XSPLIT = xs
-                t = do_bench(lambda: qt.gemv(x, w, fmt, out, res[0][1:]), warmup=5, rep=20) * 1e3
-                print(f"  {f} {name} XSPLIT={xs} {t:6.1f} us at {res[0][1:]}")
         auto = do_bench(lambda: qt.gemv(x, w, fmt, out), warmup=5, rep=20) * 1e3
         tiles = qt._gemv_tiles(x.device, n, k // 32, qt.KERNEL_FORMATS[f] <= 1)
         print(f"{f} {name:8s} floor {w.numel() / bw * 1e6:6.1f} us  auto {tiles} "

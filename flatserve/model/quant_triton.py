@@ -140,7 +140,7 @@ def _nibble_f32(v, shift: tl.constexpr, MASK: tl.constexpr, XOR: tl.constexpr, B
 @triton.jit
 def _gemv_fma_kernel(x_ptr, w_ptr, y_ptr, N, row_words, stride_xm, stride_ys, stride_ym,
                      blocks_per_split, FMT: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KB: tl.constexpr, XSPLIT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, KB: tl.constexpr):
     """q4_0 (FMT 1) / q8_0 (FMT 0), ROWS <= 4 rows of x. The blocks read as int16 words (18- and
     34-byte blocks are only 2-byte aligned): q4_0's word i holds values 2i, 2i + 16, 2i + 1,
     2i + 17 in its four nibbles; q8_0's holds values 2i, 2i + 1 as int8."""
@@ -168,24 +168,17 @@ def _gemv_fma_kernel(x_ptr, w_ptr, y_ptr, N, row_words, stride_xm, stride_ys, st
         else:  # 2^23 + (int8 + 128), less 2^23 + 128
             f0 = _nibble_f32(v, 0, 255, 0x4B000080, 8388736.0)
             f2 = _nibble_f32(v, 8, 255, 0x4B000080, 8388736.0)
-        xb = x_ptr + (kb0 + b) * 32 + 2 * wi  # [1, KB, WORDS]
-        xc = x_ptr + (kb0 + b) * 32 + tl.arange(0, 2 * WORDS)[None, None, :]  # contiguous
+        # Activations loaded contiguously, even and odd values split in registers (3-10% per
+        # GEMV on an H100 over four strided gathers, benchmarks/dev/quant_gemm_gpu.py, 2026-11-26).
+        xc = x_ptr + (kb0 + b) * 32 + tl.arange(0, 2 * WORDS)[None, None, :]  # [1, KB, 2 WORDS]
         for r in tl.static_range(ROWS):
-            if XSPLIT:  # contiguous loads, even / odd values split in registers
-                xe, xo = tl.split(tl.reshape(tl.load(xc + r * stride_xm).to(tl.float32), (1, KB, WORDS, 2)))
-                if FMT == 1:
-                    he, ho = tl.split(tl.reshape(tl.load(xc + r * stride_xm + 16).to(tl.float32),
-                                                 (1, KB, WORDS, 2)))
-                    t = f0 * xe + f1 * he + f2 * xo + f3 * ho
-                else:
-                    t = f0 * xe + f2 * xo
+            xe, xo = tl.split(tl.reshape(tl.load(xc + r * stride_xm).to(tl.float32), (1, KB, WORDS, 2)))
+            if FMT == 1:
+                he, ho = tl.split(tl.reshape(tl.load(xc + r * stride_xm + 16).to(tl.float32),
+                                             (1, KB, WORDS, 2)))
+                t = f0 * xe + f1 * he + f2 * xo + f3 * ho
             else:
-                xr = xb + r * stride_xm
-                if FMT == 1:
-                    t = f0 * tl.load(xr).to(tl.float32) + f1 * tl.load(xr + 16).to(tl.float32) \
-                        + f2 * tl.load(xr + 1).to(tl.float32) + f3 * tl.load(xr + 17).to(tl.float32)
-                else:
-                    t = f0 * tl.load(xr).to(tl.float32) + f2 * tl.load(xr + 1).to(tl.float32)
+                t = f0 * xe + f2 * xo
             s = tl.sum(tl.sum(t, axis=2) * d, axis=1)  # [BN]
             if r == 0:
                 acc0 += s
@@ -233,9 +226,7 @@ def supported(fmt: Format) -> bool:
 
 
 GEMV_ROWS = 32  # up to here the split-K GEMV; past it dequantize, then cuBLAS
-XSPLIT = True  # the FMA kernel loads activations contiguously (False: four strided gathers)
 FMA_ROWS = 2  # q4_0 / q8_0 calls up to here: the FMA kernel (no tensor cores, no conversions)
-_SMS: dict[int, int] = {}
 
 
 def _blocks_per_step(nblk: int) -> int:
@@ -281,7 +272,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, fmt: Format, out: torch.Tensor,
     if fma:
         _gemv_fma_kernel[(triton.cdiv(N, bn), splits)](
             x, w.view(torch.int16), part, N, w.shape[1] // 2, x.stride(0), ys, part.stride(-2), per,
-            FMT=code, ROWS=M, BLOCK_N=bn, KB=kb, XSPLIT=XSPLIT, num_warps=warps)
+            FMT=code, ROWS=M, BLOCK_N=bn, KB=kb, num_warps=warps)
     else:
         _qgemv_kernel[(triton.cdiv(N, bn), splits)](
             x, w, part, M, N, K, w.shape[1], x.stride(0), ys, part.stride(-2), per,
@@ -297,13 +288,8 @@ def _gemv_tiles(device: torch.device, n: int, nblk: int, fma: bool = False) -> t
     there are >= 6 programs per SM (a 4096 x 4096 linear: 64 tiles x 16 splits on an H100's 132
     SMs; the FMA kernel at least 4 splits), near the best of benchmarks/dev/quant_gemm_gpu.py
     --sweep on an H100 (2026-11-26) for Llama-3-8B's shapes."""
-    if device.type != "cuda":  # the Triton interpreter (tests): a 2-SM device, so K still splits
-        sms = 2
-    else:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in _SMS:
-            _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        sms = _SMS[idx]
+    # The Triton interpreter (tests): a 2-SM device, so K still splits.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
     bn, kb = (32, 2) if fma else (64, 4)
     kb = next(k for k in (kb, 2, 1) if nblk % k == 0)
     tiles, splits = triton.cdiv(n, bn), 1
