@@ -377,12 +377,12 @@ def _greedy_head(model: torch.nn.Module, mcfg: ModelConfig, gemm: str) -> torch.
     GGUF's, kept quantized) the 4-bit copy (model/greedy_q4.py); for an AMX or AVX2 LM head (the
     AVX2 kernel's vector build) without bias whose logits are used as they are (no softcap) the
     7-bit copy; else None."""
-    from flatserve.model import amx, avx2, greedy_q4
+    from flatserve.model import amx, avx2, greedy_q4, quant
     from flatserve.model.greedy_head import Int8GreedyHead
 
     head = getattr(model, "lm_head", None)
-    if getattr(head, "qweight0", torch.empty(0, device="meta")).device.type == "cpu":
-        return greedy_q4.for_model(model, mcfg)
+    if isinstance(head, quant.QuantLinear):  # its kernel is the CPU extension: CPU heads only
+        return greedy_q4.for_model(model, mcfg) if head.qweight0.device.type == "cpu" else None
     ok = (gemm == "amx" and isinstance(head, amx.AMXLinear)) or \
         (gemm == "avx2" and isinstance(head, avx2.AVX2Linear) and head.ext.vectorized())
     if not ok or head.bias.numel() or mcfg.final_logit_softcap is not None:
