@@ -44,7 +44,7 @@ SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
 # Generated tokens' rows take the int16-activation kernel (_generated_rows).
 PROMPT_ROWS = 32
 DENSE_BYTES = 16 << 20
-MIN_GEMM_ROWS = 16  # the float GEMM pads fewer rows to this: see reference()
+ROW_TILE = 128  # the float GEMM runs in calls of this many rows: see _dense_rows
 # Generated rows' activations: int16 codes, one fp32 scale per 32 values, each block's codes
 # stored in this order (ops/csrc/quant_gemm_cpu.cpp says why). int8 codes (llama.cpp's q8
 # activations) gave 95.9% teacher-forced top-1 agreement on the default GGUF, below
@@ -196,21 +196,18 @@ class QuantLinear(nn.Module):
 
     def reference(self, x: torch.Tensor, ext: object | None = None) -> torch.Tensor:
         """Dequantize slices of rows (SLICE_BYTES of fp32 in torch; DENSE_BYTES with the C++
-        kernel, the same bits) and run the dense matmul in x's dtype."""
+        kernel, the same bits) and run the dense matmul in x's dtype. With the C++ kernel a row's
+        result does not depend on the call's other rows (_dense_rows says how)."""
         out_dtype = x.dtype
-        rows = x.shape[0] if x.dim() == 2 else None
-        if x.device.type == "cpu" and rows is not None and rows < MIN_GEMM_ROWS:
-            # torch's CPU matmul takes other kernels for a few rows: on the 2-core EPYC (MKL) the
-            # rows of M = 1-3, 5-7 and 9-11 differ in their last bits from the same rows in a
-            # larger M, so a prompt's logits depended on what shared its step (a short prompt, or
-            # a prompt's tail after a prefix-cache hit). Zero rows up to MIN_GEMM_ROWS: one path.
-            return self.reference(torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])]), ext)[:rows]
         if x.device.type == "cpu" and x.dtype != torch.float32 and not dev.cpu_has_fast_bf16():
             # No native bf16 (AVX2): torch emulates 16-bit matmuls. Gemma 3 270M's start-up (2,048-
             # token chunks) spent 0.37 s a call here in bf16, 0.06 s in fp32 (2-core EPYC, cProfile).
             x = x.float()
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        amx_ext = _amx_ext(x, self.in_features) if ext is not None else None
         step = max(1, (DENSE_BYTES if ext is not None else SLICE_BYTES) // (4 * self.in_features))
+        if amx_ext is not None:
+            step = max(64, step // 64 * 64)  # AMX tiles take whole 64-row groups
         buf = None
         if ext is not None:
             buf = torch.empty(min(step, max(q.shape[0] for _, q in self.segments())), self.in_features,
@@ -221,11 +218,9 @@ class QuantLinear(nn.Module):
                 if buf is not None:
                     w = buf[:min(step, q.shape[0] - i)]
                     ext.dequant(q[i:i + step], fmt.ggml_type, w)
+                    y[..., col + i:col + i + w.shape[0]] = _dense_rows(x, w, amx_ext)
                 else:
                     w = dequantize(q[i:i + step], fmt, self.in_features).to(x.dtype)
-                if w.shape[0] == self.out_features:  # one piece: the GEMM writes y itself
-                    torch.matmul(x, w.t(), out=y)
-                else:
                     y[..., col + i:col + i + w.shape[0]] = x @ w.t()
             col += q.shape[0]
         return y.to(out_dtype)
@@ -233,6 +228,45 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, " + \
             "|".join(f"{f.name}:{q.shape[0]}" for f, q in self.segments())
+
+
+def _amx_ext(x: torch.Tensor, k: int) -> Any:
+    """The AMX bf16 GEMM kernel where this run's ISA level is amx and x is a bf16 CPU matrix."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or k % 32:
+        return None
+    from flatserve.model import amx
+
+    return amx._ext() if amx.available(torch.bfloat16) else None
+
+
+def _dense_rows(x: torch.Tensor, w: torch.Tensor, amx_ext: Any) -> torch.Tensor:
+    """x [M, K] @ w [n, K]^T -> [M, n], each row's bits independent of M and of its place.
+
+    Why: prefix caching and chunked prefill compute a prompt's rows in calls of any size, and a
+    cached prompt must get the answer it got cold. torch's CPU matmul picks its kernel by M: on a
+    2-core Xeon (AMX) bf16 rows differed at M = 8, 15, 22, ... against the same rows in a 300-row
+    call, fp32 (MKL) at M = 12, 19, 26, ... with K = 2,048; a 2-core EPYC's MKL differed at M < 12
+    only. Calls of one fixed shape were the same bits at every row offset (64, 128 and 256 rows,
+    both MKL builds). So: AMX's own kernels where they run (each row's tile sums fixed; the packed
+    and plain kernels give the same bits), else torch in ROW_TILE-row calls, the last one padded.
+    Cost of the tiling on that Xeon (2,048 x 640 @ 640 x 2,048 fp32): +5-15% (+13% at 64 rows).
+    """
+    m = x.shape[0]
+    if amx_ext is not None and w.shape[0] % 64 == 0:
+        from flatserve.model import amx
+
+        empty = amx._EMPTY
+        # 2,048 prompt rows x 640 x 2,048 on that Xeon: packed 2.1 + 1.5 ms to pack, plain 5.7 ms;
+        # at 256 rows 0.45 + 1.8 against 0.65 ms: pack for the larger calls only.
+        if m >= 1024:
+            return amx_ext.linear(x, amx._pack(w), empty, 0)
+        return amx_ext.linear_plain(x, w, empty)
+    if m % ROW_TILE:
+        x = torch.cat([x, x.new_zeros(ROW_TILE - m % ROW_TILE, x.shape[1])])
+    y = x.new_empty(x.shape[0], w.shape[0])
+    for i in range(0, x.shape[0], ROW_TILE):
+        torch.matmul(x[i:i + ROW_TILE], w.t(), out=y[i:i + ROW_TILE])
+    return y[:m]
 
 
 def _generated_rows(rows: int) -> bool | torch.Tensor | None:
