@@ -42,7 +42,9 @@ def cpu_report() -> str:
                 break
     except OSError:
         pass
-    return f"{name}, {os.cpu_count()} cores, ISA level {isa()}"
+    forced = os.environ.get("FLATSERVE_CPU_ISA", "").strip()
+    return f"{name}, {os.cpu_count()} cores, ISA level {isa()}" + (
+        f"; flatserve's kernels forced to {forced} (FLATSERVE_CPU_ISA)" if forced else "")
 
 
 def llama_server(path: str | None) -> str:

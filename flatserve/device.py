@@ -52,13 +52,16 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: bf16 matmuls beat fp32. Without them bf16 is emulated and slower."""
-    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
+    """AMX or AVX512-BF16: bf16 matmuls beat fp32. Without them bf16 is emulated and slower.
+    False where FLATSERVE_CPU_ISA forces avx2 or portable: a forced run then takes the paths such
+    a CPU takes (the avx2 linears, fp32 prompt GEMMs), not oneDNN's native-bf16 ones."""
+    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags()) and cpu_isa() in ("amx", "avx512")
 
 
 def cpu_has_amx_bf16() -> bool:
-    """AMX bf16 tiles (Sapphire Rapids and later): flatserve/model/amx.py's kernel."""
-    return "amx_bf16" in _cpu_flags()
+    """AMX bf16 tiles (Sapphire Rapids and later): flatserve/model/amx.py's kernel; False where
+    FLATSERVE_CPU_ISA forces a lower level."""
+    return "amx_bf16" in _cpu_flags() and cpu_isa() == "amx"
 
 
 def cpu_has_avx2_fma() -> bool:
