@@ -247,9 +247,12 @@ def _dense_rows(x: torch.Tensor, w: torch.Tensor, amx_ext: Any) -> torch.Tensor:
     2-core Xeon (AMX) bf16 rows differed at M = 8, 15, 22, ... against the same rows in a 300-row
     call, fp32 (MKL) at M = 12, 19, 26, ... with K = 2,048; a 2-core EPYC's MKL differed at M < 12
     only. Calls of one fixed shape were the same bits at every row offset (64, 128 and 256 rows,
-    both MKL builds). So: AMX's own kernels where they run (each row's tile sums fixed; the packed
-    and plain kernels give the same bits), else torch in ROW_TILE-row calls, the last one padded.
-    Cost of the tiling on that Xeon (2,048 x 640 @ 640 x 2,048 fp32): +5-15% (+13% at 64 rows).
+    MKL as is and restricted to AVX2). So: AMX's own kernels where they run (each row's tile sums
+    fixed; the packed and plain kernels give the same bits), else torch in ROW_TILE-row calls,
+    the last one padded.
+    Cost of the tiling on that Xeon (2,048 x 640 @ 640 x 2,048 fp32): +8-12% in 128-row calls,
+    +22-31% in 64-row ones (benchmarks/dev/cpu_gemm_row_tiles.py, default and AVX2-only MKL).
+    The AMX kernels: benchmarks/dev/cpu_amx_plain_vs_packed.py.
     """
     m = x.shape[0]
     if amx_ext is not None and w.shape[0] % 64 == 0:
@@ -257,7 +260,7 @@ def _dense_rows(x: torch.Tensor, w: torch.Tensor, amx_ext: Any) -> torch.Tensor:
 
         empty = amx._EMPTY
         # 2,048 prompt rows x 640 x 2,048 on that Xeon: packed 2.1 + 1.5 ms to pack, plain 5.7 ms;
-        # at 256 rows 0.45 + 1.8 against 0.65 ms: pack for the larger calls only.
+        # at 256 rows 0.45 + 1.8 against 0.65 ms: pack for the larger calls only (1,024: between).
         if m >= 1024:
             return amx_ext.linear(x, amx._pack(w), empty, 0)
         return amx_ext.linear_plain(x, w, empty)
