@@ -5,9 +5,9 @@ Decode and draft-verify sequences with at most MAX_KERNEL_ROWS new tokens go to
 position. Prompt rows (a sequence whose new rows start inside its prompt, whatever their count)
 and other long runs go to `csrc/paged_prompt_cpu.cpp`, whose rows are row-invariant: a prompt
 row gives the same bits whole, chunked, or after a prefix-cache hit. On CPUs with AMX bf16
-tiles (bf16 models) they go to `csrc/paged_prefill_amx.cpp` instead (faster; row-invariant too:
-tests/attention/test_cpu_prefill.py, run on an AMX host without a window; the windowed case's
-fix, e48869a, has not run on one yet). The decode and prompt kernels are built at every ISA level, the AMX one at the
+tiles (bf16 models) they go to `csrc/paged_prefill_amx.cpp` instead (faster; row-invariant too,
+with and without a sliding window: tests/attention/test_cpu_prefill.py, run on a 2-core Xeon with
+AMX on 2026-11-26). The decode and prompt kernels are built at every ISA level, the AMX one at the
 amx level only (flatserve/kernels.py: built by scripts/setup.sh, cached); where the decode
 kernel has no build here, `available()` is False and kernels.default_backend picks the torch
 backend; without the prompt kernel, prompt rows take the torch reference's per-sequence SDPA.
