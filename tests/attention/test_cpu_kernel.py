@@ -105,6 +105,38 @@ def test_runs_of_rows(hq: int, hkv: int, d: int, dtype: torch.dtype, window: int
     assert out.dtype == dtype and err < tol, f"rel err {err:.2e} >= {tol}"
 
 
+@pytest.mark.parametrize("hq,hkv,dtype,window", [
+    (2, 2, torch.float32, None),  # g = 1: runs packed 8 rows to a pass
+    (4, 2, torch.float32, None),  # g = 2 (Phi-3, Qwen3-0.6B's ratio)
+    (4, 2, torch.bfloat16, 24),
+    (8, 2, torch.float32, None),  # g = 4 (Gemma 3 270M's ratio)
+    (8, 2, torch.bfloat16, None),
+    (6, 2, torch.float32, 30),  # g = 3: never packed
+])
+def test_a_verify_row_has_the_bits_of_the_same_row_decoded_alone(hq: int, hkv: int,
+                                                                 dtype: torch.dtype, window) -> None:
+    """Greedy output with draft verification equals greedy output without it only if a run's
+    row r gives the bits of the decode at its position: rows packed together (8 / g to a pass)
+    and rows alone must sum in one order. At 2,3 rows per run the packing changes with the run
+    length and how the block's keys split between rows."""
+    d = 48
+    p = LayerAttnParams(d ** -0.5, window, None)
+    for _ in range(6):
+        q_lens = [random.randint(2, MAX_ROWS) for _ in range(3)]
+        seq_lens = [random.randint(n, 300) for n in q_lens]
+        q, kc, vc, meta = make_case(q_lens, seq_lens, hq, hkv, d, 16, dtype, device="cpu")
+        runs = cpu_backend.paged_decode(q, kc, vc, meta.block_table, meta.seq_lens, p, None,
+                                        meta.cu_seqlens_q)
+        for s, (n, L) in enumerate(zip(q_lens, seq_lens)):
+            first = meta.cu_seqlens_q_host[s]
+            for r in range(n):  # row r alone: a decode at position L - n + r
+                one = cpu_backend.paged_decode(
+                    q[first + r:first + r + 1], kc, vc, meta.block_table[s:s + 1],
+                    torch.tensor([L - n + r + 1], dtype=torch.int32), p, None)
+                assert torch.equal(one, runs[first + r:first + r + 1]), \
+                    f"row {r} of a {n}-row run at length {L} differs from its decode"
+
+
 @pytest.mark.parametrize("block_size,g", [(16, 4), (32, 4), (32, 8), (16, 2)])
 def test_verify_runs_bf16_amx_scores(block_size: int, g: int) -> None:
     """bf16 verify runs of 2..16 / g rows, whose scores go through AMX tiles where the CPU has

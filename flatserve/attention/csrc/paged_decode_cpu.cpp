@@ -301,8 +301,15 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t 
     for (int64_t c = 0; c < g * d; c += kLanes) st(qf + r * g * d + c, cvt(q + r * qs + h * g * d + c));
   }
   // Rows that see the same keys of a block are packed 8 / g at a time (g dividing 8): each K/V
-  // slice is then loaded and converted once for 8 query vectors instead of g.
+  // slice is then loaded and converted once for 8 query vectors instead of g. A row must sum in
+  // the same order packed or alone (greedy output with draft verification equals it without
+  // only so): below AVX-512 block_step<8> sums P V on one chain and block_step<g <= 2> on two,
+  // so there g <= 2 is not packed (tests/attention/test_cpu_kernel.py's verify-row test).
+#if defined(__AVX512F__)
   const int64_t pack = (g < 8 && 8 % g == 0) ? 8 / g : 1;
+#else
+  const int64_t pack = (g > 2 && g < 8 && 8 % g == 0) ? 8 / g : 1;
+#endif
   std::fill(acc, acc + n * g * d, 0.f);
   const bool amx = use_amx_scores<T>(n, m);
 #ifdef FLATSERVE_AMX
