@@ -1,6 +1,6 @@
 // GGUF block formats unpacked into the quantized GEMM's common form (ops/csrc/quant_gemm_cpu.cpp
 // says what the form is and why): the layouts, fp16 scales, and one stored block or row -> its
-// int8 codes, 16-value scales and 32-value offsets. Only that file includes it.
+// int8 codes, 16-value scales and 32-value offsets. Only that file and quant_amx.h include it.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -23,6 +23,10 @@ namespace flatserve::qblocks {
 enum Fmt : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_G = 100 };
 
 struct Layout { int block, type_size; bool mins; };
+
+// Stored position -> value index within a 32-value block of activation codes (ACT_ORDER, its own
+// inverse; ops/csrc/quant_gemm_cpu.cpp says why).
+constexpr int act_value(int pos) { return pos < 8 || pos >= 24 ? pos : pos < 16 ? pos + 8 : pos - 8; }
 
 constexpr Layout known_layout(int fmt) {  // {0, 0, false} for an unknown format
   switch (fmt) {

@@ -233,3 +233,42 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(name, cpu
         assert torch.equal(lin._int16(ext, x[off:off + m]), full_q[off:off + m]), (off, m)
     for m in list(range(1, 13)) + random.sample(range(13, 72), 6):
         assert torch.equal(lin.reference(x[:m], ext), full_float[:m]), m
+
+
+def _tiles(lin, x: torch.Tensor) -> torch.Tensor:
+    """lin's int16 path with every format on the AMX tiles (gemm's tiles_all; Q8_0 takes them
+    anyway at the amx level)."""
+    ext = quant.kernel()
+    acts = ext.quantize_act(x.contiguous())
+    y = torch.empty(x.shape[0], lin.out_features, dtype=x.dtype)
+    col = 0
+    for fmt, q in lin.segments():
+        ext.gemm(*acts, q, fmt.ggml_type, y, col, tiles_all=True)
+        col += q.shape[0]
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_amx_tiles_match_the_codes_product_and_keep_rows_invariant(name, amx_isa) -> None:
+    """The AMX-INT8 path (csrc/quant_amx.h) for every format: within the vector path's bound of
+    the float64 product of the same int16 codes and weights, and each row's bits the same whether
+    it comes alone, in a 2-4-row call (weight rows in lanes) or in 16-row groups (activation
+    rows in lanes), at any offset; N not a multiple of 16 (a zero-padded last weight group)."""
+    assert quant.kernel().isa() == "amx"
+    rng = random.Random()
+    k = rng.choice([256, 512, 768])
+    n = rng.choice([37, 64])
+    lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
+    x = torch.randn(40, k) * torch.rand(40, 1) * 4  # fp32 out: bf16 rounding would hide a last bit
+    full = _tiles(lin, x)
+    xa = _act_dequant(x).double()
+    ref = xa @ w.double().t()
+    err = (full.double() - ref).abs()
+    bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
+    assert ((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all()
+    for m in [1, 2, 3, 4, 5, 16, 17, rng.randrange(6, 40)]:
+        off = rng.randrange(0, 40 - m + 1)
+        assert torch.equal(_tiles(lin, x[off:off + m]), full[off:off + m]), (m, off)
+    if name == "q8_0":  # the engine's own path takes the tiles for Q8_0
+        assert torch.equal(lin._int16(quant.kernel(), x), full)

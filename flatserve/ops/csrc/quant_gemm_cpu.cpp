@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "quant_blocks.h"
+#include "quant_amx.h"
 #include "greedy_q4.h"
 
 namespace greedy_q4 = flatserve::greedy_q4;
@@ -49,9 +50,6 @@ namespace greedy_q4 = flatserve::greedy_q4;
 namespace {
 
 using namespace flatserve::qblocks;
-
-// Stored position -> value index within a 32-value block of activation codes (its own inverse).
-constexpr int act_value(int pos) { return pos < 8 || pos >= 24 ? pos : pos < 16 ? pos + 8 : pos - 8; }
 
 struct Acts {  // activations quantized per 32 values
   const int16_t* q;  // [M, K], each block in ACT_ORDER
@@ -260,12 +258,34 @@ void gemm_direct(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 }
 #endif
 
+// Which formats take the AMX tiles (csrc/quant_amx.h), at every row count so that a row's bits
+// never depend on its call: Q8_0 only (LM heads, the default model's included). Its stored rows
+// are the tiles: the 262k x 640 head at 16 rows took 0.38x the vector path's time, at one row
+// ~1.2-1.4x. The other formats unpack into a buffer first: q5_0 4096 x 640 took 0.40x at 16 rows
+// but 2.2x at one, 1.5x at four (`benchmarks/dev/cpu_quant_tiles.py`, 2-core Xeon with AMX,
+// 2026-11-26), and a one-stream decode step is all one-row calls. `tiles_all` (gemm's argument,
+// for tests and that script) sends every format to the tiles.
+inline bool use_tiles(int fmt, bool tiles_all) {
+#ifdef FLATSERVE_AMX
+  return flatserve::amx_available() && (tiles_all || fmt == Q8_0);
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt,
-               T* out, int64_t ldo) {
+               T* out, int64_t ldo, bool tiles_all = false) {
   const Layout L = layout(fmt);
   const int64_t K = a.K;
   if (M == 0) return;  // the direct path's dot would read 4 rows of an empty activation buffer
+#ifdef FLATSERVE_AMX
+  if (use_tiles(fmt, tiles_all)) {
+    flatserve::qamx::ActTiles tiles;
+    flatserve::qamx::act_tiles(a.q, a.d, a.s, M, K, tiles);
+    return flatserve::qamx::gemm(tiles, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
+  }
+#endif
 #if QG_AVX2
   if (M <= 4) {
     switch (fmt) {
@@ -375,7 +395,7 @@ std::vector<at::Tensor> quantize_act(const at::Tensor& x) {
 // out[:, col : col + N] = x @ W^T for W [N, K] stored as `fmt` blocks (uint8 [N, row_bytes]);
 // x as quantize_act's codes.
 void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& w,
-          int64_t fmt, at::Tensor& out, int64_t col) {
+          int64_t fmt, at::Tensor& out, int64_t col, bool tiles_all) {
   const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
   TORCH_CHECK(xq.scalar_type() == at::kShort && xq.is_contiguous() && xd.is_contiguous() && xs.is_contiguous() &&
               xd.size(0) == M && xd.size(1) == K / 32 && xs.sizes() == xd.sizes(),
@@ -389,11 +409,11 @@ void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, cons
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int F = static_cast<int>(fmt);
   if (out.scalar_type() == at::kFloat)
-    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<float>() + col, out.stride(0));
+    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<float>() + col, out.stride(0), tiles_all);
   else if (out.scalar_type() == at::kBFloat16)
-    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::BFloat16>() + col, out.stride(0));
+    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::BFloat16>() + col, out.stride(0), tiles_all);
   else if (out.scalar_type() == at::kHalf)
-    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::Half>() + col, out.stride(0));
+    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::Half>() + col, out.stride(0), tiles_all);
   else
     TORCH_CHECK(false, "quant gemm: float32, bfloat16 or float16 output");
 }
@@ -496,6 +516,10 @@ std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& 
   const uint8_t* w8p = w8.data_ptr<uint8_t>();
   auto exact = [&](int64_t n, int64_t t) {  // the head's fp32 logit: its own dot, its bits
     Unpacked u{nullptr, nullptr, nullptr, w8p + n * w8.size(1)};
+#ifdef FLATSERVE_AMX
+    if (use_tiles(Q8_0, false))  // gemm's tile path: its order of operations, one value at a time
+      return flatserve::qamx::exact(u, false, false, ac.q + t * K, ac.d + t * nb, ac.s + t * nb, nb);
+#endif
     float r;
     dot_rows<1>(u, ac, t, false, &r);
     return r;
@@ -546,14 +570,19 @@ std::tuple<at::Tensor, double> greedy_q4_copy(const at::Tensor& w8, int64_t K) {
   return {copy, *std::max_element(wmax.begin(), wmax.end())};
 }
 
-std::string isa() { return QG_AVX2 ? "avx2" : "portable"; }
+std::string isa() {
+#ifdef FLATSERVE_AMX
+  if (flatserve::amx_available()) return "amx";
+#endif
+  return QG_AVX2 ? "avx2" : "portable";
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_act", &quantize_act, "x [M, K] -> int16 codes, scales, scaled sums per 32 values",
         py::arg("x"));
   m.def("gemm", &gemm, "out[:, col:col+N] = x @ W^T, W as GGUF blocks read in place",
         py::arg("xq"), py::arg("xd"), py::arg("xs"), py::arg("w"), py::arg("fmt"), py::arg("out"),
-        py::arg("col"));
+        py::arg("col"), py::arg("tiles_all") = false);
   m.def("dequant", &dequant, "W's blocks -> dense rows (the torch reference's bits in fp32)");
   m.def("quant_linear", &quant_linear, "x @ W^T (+ bias) for a packed linear (QuantLinear.pack)");
   m.def("greedy_q4_argmax", &greedy_q4_argmax,

@@ -1,0 +1,56 @@
+"""The quantized GEMM's AMX-INT8 tiles (csrc/quant_amx.h) against its vector path, one format and
+shape, at 1-32 activation rows, alternated in one process (min of 7 calls each; this kind of VM
+drifts +-30% between runs).
+
+    .venv/bin/python benchmarks/dev/cpu_quant_tiles.py [--fmt q8_0] [--k 640] [--n 262144]
+
+The vector path is the avx512 level's build (its int16 kernel is the AVX2 code), the tiles the
+amx level's with gemm(tiles_all=True). Needs an AMX CPU. Figures in quant_gemm_cpu.cpp's
+use_tiles came from `--fmt q8_0` (the default model's head) and `--fmt q5_0 --k 640 --n 4096`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+from flatserve.model import quant  # noqa: E402
+from flatserve.model.qformats import FORMATS  # noqa: E402
+from tests.model.test_qformats import random_blocks  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fmt", default="q8_0", choices=sorted(FORMATS))
+    ap.add_argument("--k", type=int, default=640)
+    ap.add_argument("--n", type=int, default=262144)
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    args = ap.parse_args()
+    fmt = FORMATS[args.fmt]
+    w = random_blocks(fmt, args.n, args.k, 0).reshape(args.n, -1)
+    exts = {}
+    for level in ("avx512", "amx"):
+        os.environ["FLATSERVE_CPU_ISA"] = level
+        exts[level] = quant.kernel()
+        assert exts[level] is not None and (level != "amx" or exts[level].isa() == "amx"), "needs an AMX CPU"
+    print(f"{args.fmt} {args.n} x {args.k}, {torch.get_num_threads()} threads")
+    for m in map(int, args.rows.split(",")):
+        x = torch.randn(m, args.k).bfloat16()
+        best = {}
+        for _ in range(7):
+            for level, ext in exts.items():
+                acts = ext.quantize_act(x)
+                y = torch.empty(m, args.n, dtype=torch.bfloat16)
+                t = time.perf_counter()
+                ext.gemm(*acts, w, fmt.ggml_type, y, 0, tiles_all=level == "amx")
+                best[level] = min(best.get(level, 1e9), time.perf_counter() - t)
+        print(f"{m:3d} rows: vector {best['avx512'] * 1e3:7.2f} ms  tiles {best['amx'] * 1e3:7.2f} ms"
+              f"  tiles / vector {best['amx'] / best['avx512']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
