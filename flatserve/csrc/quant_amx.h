@@ -260,8 +260,14 @@ inline float exact(const Unpacked& u, bool halves, bool mins, const int16_t* xq,
     const int8_t* v = u.raw ? reinterpret_cast<const int8_t*>(u.raw + 34 * b + 2) : u.v + 32 * b;
     for (int h = 0; h < (halves ? 2 : 1); ++h) {
       int32_t S = 0;
-      for (int l = halves ? 16 * h : 0; l < (halves ? 16 * h + 16 : 32); ++l)
-        S += int32_t(v[l]) * xq[32 * b + act_value(l)];
+      if (!halves) {  // the greedy head's candidates (~3k a token): the block's 32 products at once
+        // codes in ACT_ORDER (8-byte groups 0, 2, 1, 3) against the stored codes; integer: exact
+        const __m256i wv = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)), 0xD8);
+        S = _mm512_reduce_add_epi32(_mm512_madd_epi16(_mm512_cvtepi8_epi16(wv),
+                                                      _mm512_loadu_si512(xq + 32 * b)));
+      } else {
+        for (int l = 16 * h; l < 16 * h + 16; ++l) S += int32_t(v[l]) * xq[32 * b + act_value(l)];
+      }
       const float scale = u.raw ? h2f(u.raw + 34 * b) : u.sc[2 * b + h];
       acc = std::fma(static_cast<float>(S) * scale, xd[b], acc);
     }
