@@ -17,7 +17,8 @@
 // The unpacked row (K bytes + K/8 floats) stays in L1 and serves every activation row of the
 // call, so a 16-row decode step reads each weight block from memory once. AVX2 (+FMA, F16C):
 // unpack and dot per 32 values in 256-bit registers, the weight codes sign-extended to int16 and
-// multiplied by vpmaddwd. Without AVX2 the same arithmetic runs in plain C++.
+// multiplied by vpmaddwd. Without AVX2 the same arithmetic runs in plain C++. At the amx level
+// Q8_0 weights take AMX-INT8 tiles instead (csrc/quant_amx.h; use_tiles below says why only Q8_0).
 //
 // Why int16 activation codes (llama.cpp uses int8): int8 codes (amax / 127 per step) cost the
 // default GGUF 4 points of teacher-forced top-1 agreement (95.9% against its fp32 weights,
