@@ -252,8 +252,8 @@ void gemm(const ActTiles& a, int64_t M, const uint8_t* w, int64_t N, int64_t row
 }
 
 // The tile path's result for one activation row (codes xq [K], scales xd, xs [nb]) and one weight
-// row, a value at a time in group_dot's order: the greedy head's rescoring, which must give the
-// bits the full head's GEMM gives.
+// row, in group_dot's order of float operations (the integer block sums are exact in any order):
+// the greedy head's rescoring, which must give the bits the full head's GEMM gives.
 inline float exact(const Unpacked& u, bool halves, bool mins, const int16_t* xq, const float* xd,
                    const float* xs, int64_t nb) {
   float acc = 0.f;

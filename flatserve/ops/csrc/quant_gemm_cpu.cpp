@@ -518,7 +518,7 @@ std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& 
   auto exact = [&](int64_t n, int64_t t) {  // the head's fp32 logit: its own dot, its bits
     Unpacked u{nullptr, nullptr, nullptr, w8p + n * w8.size(1)};
 #ifdef FLATSERVE_AMX
-    if (use_tiles(Q8_0, false))  // gemm's tile path: its order of operations, one value at a time
+    if (use_tiles(Q8_0, false))  // gemm's tile path: its order of operations, so its bits
       return flatserve::qamx::exact(u, false, false, ac.q + t * K, ac.d + t * nb, ac.s + t * nb, nb);
 #endif
     float r;
