@@ -1,12 +1,11 @@
-"""The quantized GEMM's AMX-INT8 tiles (csrc/quant_amx.h) against its vector path, one format and
-shape, at 1-32 activation rows, alternated in one process (min of 7 calls each; this kind of VM
-drifts +-30% between runs).
+"""The quantized GEMM's paths at the amx level, AMX-INT8 tiles (csrc/quant_amx.h) and rows16
+(csrc/quant_rows.h, the tiles' bits in AVX-512 lanes), against the avx512 level's vector path
+(the AVX2 int16 code), one format and shape, at 1-32 activation rows, alternated in one process
+(min of 7 calls each; this kind of VM drifts +-30% between runs).
 
     .venv/bin/python benchmarks/dev/cpu_quant_tiles.py [--fmt q8_0] [--k 640] [--n 262144]
 
-The vector path is the avx512 level's build (its int16 kernel is the AVX2 code), the tiles the
-amx level's with gemm(tiles_all=True). Needs an AMX CPU. Figures in quant_gemm_cpu.cpp's
-use_tiles came from `--fmt q8_0` (the default model's head) and `--fmt q5_0 --k 640 --n 4096`.
+Needs an AMX CPU. quant_gemm_cpu.cpp's TILE_ROWS came from this script.
 """
 from __future__ import annotations
 
@@ -37,19 +36,21 @@ def main() -> None:
         os.environ["FLATSERVE_CPU_ISA"] = level
         exts[level] = quant.kernel()
         assert exts[level] is not None and (level != "amx" or exts[level].isa() == "amx"), "needs an AMX CPU"
+    runs = {"vector": (exts["avx512"], 0), "rows16": (exts["amx"], 1), "tiles": (exts["amx"], 2)}
     print(f"{args.fmt} {args.n} x {args.k}, {torch.get_num_threads()} threads")
     for m in map(int, args.rows.split(",")):
         x = torch.randn(m, args.k).bfloat16()
         best = {}
         for _ in range(7):
-            for level, ext in exts.items():
+            for name, (ext, path) in runs.items():
                 acts = ext.quantize_act(x)
                 y = torch.empty(m, args.n, dtype=torch.bfloat16)
                 t = time.perf_counter()
-                ext.gemm(*acts, w, fmt.ggml_type, y, 0, tiles_all=level == "amx")
-                best[level] = min(best.get(level, 1e9), time.perf_counter() - t)
-        print(f"{m:3d} rows: vector {best['avx512'] * 1e3:7.2f} ms  tiles {best['amx'] * 1e3:7.2f} ms"
-              f"  tiles / vector {best['amx'] / best['avx512']:.2f}")
+                ext.gemm(*acts, w, fmt.ggml_type, y, 0, path=path)
+                best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+        v = best["vector"]
+        print(f"{m:3d} rows: vector {v * 1e3:7.2f} ms  rows16 {best['rows16'] * 1e3:7.2f} ms"
+              f" ({best['rows16'] / v:.2f}x)  tiles {best['tiles'] * 1e3:7.2f} ms ({best['tiles'] / v:.2f}x)")
 
 
 if __name__ == "__main__":

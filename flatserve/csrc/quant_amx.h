@@ -1,5 +1,5 @@
 // The quantized GEMM on AMX-INT8 tiles (ops/csrc/quant_gemm_cpu.cpp's amx level): the same
-// int16 activation codes and weight codes as the vector path, every row count.
+// int16 activation codes and weight codes as the vector path, calls of more than 4 rows.
 //
 // Why: the vector path spends ~6 vector ops on each (activation row, weight row, 32 values):
 // two vpmaddwd, an add, and a convert, multiply and FMA to scale the block's int32 sums into
@@ -14,7 +14,8 @@
 // (VNNI layout: row kk holds values 4kk..4kk+3 of 16 activation rows) give the block's exact
 // int32 dots S = 256 * (A . B_hi) + (A . B_lo) (|S| <= 32 x 128 x 32767 < 2^31). Q6_K's 16-value
 // scales take one pair of tiles per half block. Then, per output, in this order for every row
-// count and for `exact` (the greedy head's rescoring), so a row's bits never depend on its call:
+// count, for `exact` (the greedy head's rescoring) and for csrc/quant_rows.h's rows16 (the
+// calls of 1-4 rows), so a row's bits never depend on its call:
 //
 //   acc = fma(float(S) * w_scale, x_scale, acc)          per block (or half block), in order
 //   acc = fma(-w_min, x_sum, acc)                        K formats' offsets, after each block
@@ -77,9 +78,10 @@ inline void act_tiles(const int16_t* q, const float* d, const float* s, int64_t 
 }
 
 // Tiles: 0 weights (16 rows x kb bytes), 1 / 2 activation hi / lo (kb / 4 rows x 4 cols bytes),
-// 3 / 4 and 5 / 6 the hi / lo int32 dots (16 x cols) of even and odd steps. kb = 32 (a block) or
-// 16 (Q6_K's half blocks); cols = 16 activation rows, or the call's 1-4.
-inline void load_config(int kb, int cols) {
+// 3 / 4 and 5 / 6 the hi / lo int32 dots (16 x 16) of even and odd steps. kb = 32 (a block) or
+// 16 (Q6_K's half blocks).
+inline void load_config(int kb) {
+  constexpr int cols = 16;  // activation rows
   TileConfig cfg;
   cfg.rows[0] = 16; cfg.colsb[0] = static_cast<uint16_t>(kb);
   for (int t = 1; t <= 2; ++t) { cfg.rows[t] = static_cast<uint8_t>(kb / 4); cfg.colsb[t] = static_cast<uint16_t>(4 * cols); }
@@ -114,13 +116,12 @@ struct WGroup {
 // are issued before step s - 1's results are scaled (`scale(block, half, chi, clo)`), from
 // buffers stored an iteration earlier, so that neither the dots' latency nor the tile store the
 // vector loads wait on stalls the scaling. (Against one step at a time: the head at 64 rows
-// 100-116 -> 81-110 ms, at 1-16 rows within this VM's noise.) C tiles are stored 4 * cols bytes
-// a row.
+// 100-116 -> 81-110 ms, at 1-16 rows within this VM's noise.) C tiles are stored 64 bytes a row.
 template <typename Scale>
-inline void steps(const WGroup& wg, int64_t nb, bool halves, const ActTiles& a, int64_t g, int cols, Scale scale) {
+inline void steps(const WGroup& wg, int64_t nb, bool halves, const ActTiles& a, int64_t g, Scale scale) {
   alignas(64) int32_t chi[2][256], clo[2][256];
   const int hs = halves ? 2 : 1;
-  const int64_t n = nb * hs, cs = 4 * cols;
+  const int64_t n = nb * hs, cs = 64;
   auto issue = [&](int64_t st) {
     const int64_t b = st / hs, h = st % hs;
     const int8_t* at = wg.v + wg.bstride * b + 16 * h;
@@ -146,7 +147,7 @@ inline void group_dot(const WGroup& wg, int64_t nb, bool halves, bool mins, cons
                       __m512 acc[16]) {
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   const int hs = halves ? 2 : 1;
-  steps(wg, nb, halves, a, g, 16, [&](int64_t b, int h, const int32_t* chi, const int32_t* clo) {
+  steps(wg, nb, halves, a, g, [&](int64_t b, int h, const int32_t* chi, const int32_t* clo) {
     const __m512 xd = _mm512_loadu_ps(a.d_at(g, b));
     const float* sc = wg.scT + (2 * b + h) * 16;
     for (int r = 0; r < 16; ++r)
@@ -155,34 +156,6 @@ inline void group_dot(const WGroup& wg, int64_t nb, bool halves, bool mins, cons
     if (mins && h == hs - 1) {
       const __m512 xs = _mm512_loadu_ps(a.s_at(g, b));
       for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(-wg.mnT[16 * b + r]), xs, acc[r]);
-    }
-  });
-}
-
-// 1-4 activation rows (MS), the 16 weight rows in lanes: acc[t] for activation row t. The same
-// operations per result as group_dot (only the lanes differ), so the same bits; at one row
-// group_dot spent 16 vector scalings per step on one live lane each.
-template <int MS>
-inline void group_dot_small(const WGroup& wg, int64_t nb, bool halves, bool mins, const ActTiles& a,
-                            __m512 acc[MS]) {
-  for (int t = 0; t < MS; ++t) acc[t] = _mm512_setzero_ps();
-  const int hs = halves ? 2 : 1;
-  constexpr int CS = MS < 2 ? 2 : MS;  // columns stored: one row's 4-byte C rows stored slower
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(CS));
-  steps(wg, nb, halves, a, 0, CS, [&](int64_t b, int h, const int32_t* chi, const int32_t* clo) {
-    const __m512 sc = _mm512_loadu_ps(wg.scT + (2 * b + h) * 16);
-    const float* xd = a.d_at(0, b);
-    for (int t = 0; t < MS; ++t) {
-      __m512i hi, lo;
-      hi = _mm512_i32gather_epi32(idx, chi + t, 4);  // chi[r * CS + t]
-      lo = _mm512_i32gather_epi32(idx, clo + t, 4);
-      acc[t] = _mm512_fmadd_ps(scaled(hi, lo, sc), _mm512_set1_ps(xd[t]), acc[t]);
-    }
-    if (mins && h == hs - 1) {
-      const __m512 nmn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(wg.mnT + 16 * b));
-      const float* xs = a.s_at(0, b);
-      for (int t = 0; t < MS; ++t) acc[t] = _mm512_fmadd_ps(nmn, _mm512_set1_ps(xs[t]), acc[t]);
     }
   });
 }
@@ -196,7 +169,7 @@ void gemm(const ActTiles& a, int64_t M, const uint8_t* w, int64_t N, int64_t row
   const int64_t nb = a.nb, K = 32 * nb;
   const bool halves = fmt == Q6_K, raw_q8 = fmt == Q8_0;
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
-    load_config(halves ? 16 : 32, M <= 4 ? std::max<int>(2, static_cast<int>(M)) : 16);
+    load_config(halves ? 16 : 32);
     std::vector<int8_t> vbuf(16 * K, 0);
     std::vector<float> scbuf(16 * 2 * nb, 0.f), mnbuf(16 * nb, 0.f), scT(2 * nb * 16), mnT(nb * 16);
     alignas(64) float res[16];
@@ -227,17 +200,6 @@ void gemm(const ActTiles& a, int64_t M, const uint8_t* w, int64_t N, int64_t row
         if (L.mins)
           for (int64_t b = 0; b < nb; ++b)
             for (int r = 0; r < 16; ++r) mnT[16 * b + r] = mnbuf[r * nb + b];
-      }
-      if (M <= 4) {
-        if (M == 1) group_dot_small<1>(wg, nb, halves, L.mins, a, acc);
-        else if (M == 2) group_dot_small<2>(wg, nb, halves, L.mins, a, acc);
-        else if (M == 3) group_dot_small<3>(wg, nb, halves, L.mins, a, acc);
-        else group_dot_small<4>(wg, nb, halves, L.mins, a, acc);
-        for (int64_t t = 0; t < M; ++t) {  // lane r of acc[t]: column n0 + r
-          _mm512_store_ps(res, acc[t]);
-          for (int r = 0; r < nn; ++r) store(out + t * ldo + n0 + r, res[r]);
-        }
-        continue;
       }
       for (int64_t g = 0; g < a.groups; ++g) {
         group_dot(wg, nb, halves, L.mins, a, g, acc);

@@ -235,40 +235,42 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(name, cpu
         assert torch.equal(lin.reference(x[:m], ext), full_float[:m]), m
 
 
-def _tiles(lin, x: torch.Tensor) -> torch.Tensor:
-    """lin's int16 path with every format on the AMX tiles (gemm's tiles_all; Q8_0 takes them
-    anyway at the amx level)."""
+def _path(lin, x: torch.Tensor, path: int) -> torch.Tensor:
+    """lin's int16 path with every call on one of the amx level's paths (gemm's `path`: 1 the
+    AVX-512 rows16, 2 the AMX tiles, 0 by row count as the engine calls it)."""
     ext = quant.kernel()
     acts = ext.quantize_act(x.contiguous())
     y = torch.empty(x.shape[0], lin.out_features, dtype=x.dtype)
     col = 0
     for fmt, q in lin.segments():
-        ext.gemm(*acts, q, fmt.ggml_type, y, col, tiles_all=True)
+        ext.gemm(*acts, q, fmt.ggml_type, y, col, path=path)
         col += q.shape[0]
     return y
 
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_amx_tiles_match_the_codes_product_and_keep_rows_invariant(name, amx_isa) -> None:
-    """The AMX-INT8 path (csrc/quant_amx.h) for every format: within the vector path's bound of
-    the float64 product of the same int16 codes and weights, and each row's bits the same whether
-    it comes alone, in a 2-4-row call (weight rows in lanes) or in 16-row groups (activation
-    rows in lanes), at any offset; N not a multiple of 16 (a zero-padded last weight group)."""
+def test_amx_paths_match_the_codes_product_and_each_others_bits(name, amx_isa) -> None:
+    """The amx level's two paths for every format, the AMX-INT8 tiles (csrc/quant_amx.h) and
+    rows16 (csrc/quant_rows.h, weight rows in AVX-512 lanes): within the vector path's bound of
+    the float64 product of the same int16 codes and weights, and each row's bits the same on
+    either path, alone or in calls of any size (1-4 rows: a partial rows16 group; 16 and 17: full
+    and padded tile groups), at any offset; N not a multiple of 16 (a padded last weight group)."""
     assert quant.kernel().isa() == "amx"
     rng = random.Random()
     k = rng.choice([256, 512, 768])
     n = rng.choice([37, 64])
     lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
     x = torch.randn(40, k) * torch.rand(40, 1) * 4  # fp32 out: bf16 rounding would hide a last bit
-    full = _tiles(lin, x)
+    full = _path(lin, x, 2)
     xa = _act_dequant(x).double()
     ref = xa @ w.double().t()
     err = (full.double() - ref).abs()
     bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
     assert ((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all()
+    assert torch.equal(_path(lin, x, 1), full)
     for m in [1, 2, 3, 4, 5, 16, 17, rng.randrange(6, 40)]:
         off = rng.randrange(0, 40 - m + 1)
-        assert torch.equal(_tiles(lin, x[off:off + m]), full[off:off + m]), (m, off)
-    if name == "q8_0":  # the engine's own path takes the tiles for Q8_0
-        assert torch.equal(lin._int16(quant.kernel(), x), full)
+        for path in (0, 1, 2):
+            assert torch.equal(_path(lin, x[off:off + m], path), full[off:off + m]), (m, off, path)
+    assert torch.equal(lin._int16(quant.kernel(), x), full)  # the engine's own calls

@@ -18,7 +18,7 @@
 // call, so a 16-row decode step reads each weight block from memory once. AVX2 (+FMA, F16C):
 // unpack and dot per 32 values in 256-bit registers, the weight codes sign-extended to int16 and
 // multiplied by vpmaddwd. Without AVX2 the same arithmetic runs in plain C++. At the amx level
-// Q8_0 weights take AMX-INT8 tiles instead (csrc/quant_amx.h; use_tiles below says why only Q8_0).
+// every format takes AMX-INT8 tiles or their bits in AVX-512 lanes instead (TILE_ROWS below).
 //
 // Why int16 activation codes (llama.cpp uses int8): int8 codes (amax / 127 per step) cost the
 // default GGUF 4 points of teacher-forced top-1 agreement (95.9% against its fp32 weights,
@@ -44,6 +44,7 @@
 
 #include "quant_blocks.h"
 #include "quant_amx.h"
+#include "quant_rows.h"
 #include "greedy_q4.h"
 
 namespace greedy_q4 = flatserve::greedy_q4;
@@ -60,79 +61,6 @@ struct Acts {  // activations quantized per 32 values
 };
 
 #if QG_AVX2
-// Decode-sized calls (at most 4 rows) dot each stored block
-// right after unpacking it into registers: the unpack buffer pays off only when many rows reuse
-// it, and its store and reload cost more than the dots at 2 rows (the default model's 4096 x 640
-// q5_0 gate_up at one decode row: 0.48 ms, 3.8 GB/s of weights). The values, scales and
-// arithmetic are unpack_block's, and dot_src is the buffered rows' dot too: the same bits per row.
-// The format is a template argument: its branches and block arithmetic fold at compile time
-// (as a run-time value they cost the 4 x 640 q8_0 rows 96 -> 52 us at one thread).
-template <int fmt>
-struct DirectRow {
-  static constexpr Layout L = known_layout(fmt);
-  const uint8_t* row;
-  float* mn;     // [K/32]: the row's 32-value offsets (0 but for Q4_K/Q5_K), for the mins term
-  float sc[16];  // the current super-block's 16-value scales (K formats)
-
-  // Block b (32 values) -> its codes and the scales of its two 16-value halves.
-  __attribute__((always_inline)) inline void get(int64_t b, __m256i& wv, __m256& scv) {
-    if constexpr (L.block == 32) {
-      const uint8_t* blk = row + b * L.type_size;
-      const float d = h2f(blk);
-      scv = _mm256_set_m128(_mm_set1_ps(d), _mm_set1_ps(d));
-      mn[b] = 0.f;
-      if constexpr (fmt == Q8_0) { wv = ld(blk + 2); return; }
-      if constexpr (fmt == Q4_G) { wv = _mm256_sub_epi8(nibbles_32(blk + 3), _mm256_set1_epi8(static_cast<char>(blk[2]))); return; }
-      __m256i q = nibbles_32(blk + (fmt == Q4_0 ? 2 : 6));
-      if constexpr (fmt == Q5_0) {
-        uint32_t qh;
-        std::memcpy(&qh, blk + 2, 4);
-        q = _mm256_or_si256(q, bits_to_0x10(qh));
-      }
-      wv = _mm256_sub_epi8(q, _mm256_set1_epi8(fmt == Q4_0 ? 8 : 16));
-      return;
-    } else {
-    const int64_t c = b & 7;
-    const uint8_t* sb = row + (b >> 3) * L.type_size;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    if constexpr (fmt == Q6_K) {
-      if (c == 0) {
-        const float d = h2f(sb + 208);
-        const int8_t* scales = reinterpret_cast<const int8_t*>(sb + 192);
-        for (int i = 0; i < 16; ++i) sc[i] = d * static_cast<float>(scales[i]);
-      }
-      const int64_t half = c / 4, p = c % 4;
-      const __m256i l = ld(sb + 64 * half + 32 * (p % 2)), h = ld(sb + 128 + 32 * half);
-      const __m256i lo = p < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-      const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, static_cast<int>(2 * p)),
-                                                            _mm256_set1_epi8(3)), 4);
-      wv = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-      scv = _mm256_set_m128(_mm_set1_ps(sc[2 * c + 1]), _mm_set1_ps(sc[2 * c]));
-      mn[b] = 0.f;
-      return;
-    }
-    if (c == 0) {  // Q4_K / Q5_K
-      uint8_t sv[8], mv[8];
-      k_scales(sb + 4, sv, mv);
-      auto f8 = [](const uint8_t* p) {
-        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-      };  // d * s exactly as the scalar product: one rounding
-      _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(h2f(sb)), f8(sv)));
-      _mm256_storeu_ps(mn + b, _mm256_mul_ps(_mm256_set1_ps(h2f(sb + 2)), f8(mv)));
-    }
-    const __m256i q = ld(sb + (fmt == Q4_K ? 16 : 48) + 32 * (c / 2));
-    __m256i v = c % 2 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m4) : _mm256_and_si256(q, m4);
-    if constexpr (fmt == Q5_K) {
-      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << c));
-      v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(ld(sb + 16), bit), bit),
-                                              _mm256_set1_epi8(0x10)));
-    }
-    wv = v;
-    scv = _mm256_set1_ps(sc[c]);
-    }
-  }
-};
-
 // MT activation rows (m0 ..) against one weight row -> out[MT]. The row is a source of blocks:
 // `get(b, codes, scales)` and `mn` (the 32-value offsets, read after the loop); one dot for
 // every source, so a row's bits do not depend on where its blocks were unpacked.
@@ -146,8 +74,9 @@ void dot_src(Row& w, const Acts& a, int64_t m0, bool mins, float* out) {
   for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wv;
-    __m256 scv;
-    w.get(b, wv, scv);
+    float s0, s1;
+    w.get(b, wv, s0, s1);
+    const __m256 scv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
     // int16 weights [0-7 | 16-23] and [8-15 | 24-31]: each byte doubled, then shifted down signed
     const __m256i wa = _mm256_srai_epi16(_mm256_unpacklo_epi8(wv, wv), 8);
     const __m256i wb = _mm256_srai_epi16(_mm256_unpackhi_epi8(wv, wv), 8);
@@ -177,14 +106,14 @@ void dot_src(Row& w, const Acts& a, int64_t m0, bool mins, float* out) {
 struct BufferedRow {  // a row unpacked into the common form (or a raw Q8_0 row)
   const Unpacked& u;
   const float* mn = u.mn;
-  __attribute__((always_inline)) inline void get(int64_t b, __m256i& wv, __m256& scv) const {
+  __attribute__((always_inline)) inline void get(int64_t b, __m256i& wv, float& s0, float& s1) const {
     if (u.raw) {
       const uint8_t* blk = u.raw + 34 * b;
       wv = ld(blk + 2);
-      scv = _mm256_set1_ps(h2f(blk));
+      s0 = s1 = h2f(blk);
     } else {
       wv = ld(u.v + 32 * b);
-      scv = _mm256_set_m128(_mm_set1_ps(u.sc[2 * b + 1]), _mm_set1_ps(u.sc[2 * b]));
+      s0 = u.sc[2 * b], s1 = u.sc[2 * b + 1];
     }
   }
 };
@@ -259,32 +188,79 @@ void gemm_direct(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 }
 #endif
 
-// Which formats take the AMX tiles (csrc/quant_amx.h), at every row count so that a row's bits
-// never depend on its call: Q8_0 only (LM heads, the default model's included). Its stored rows
-// are the tiles: the 262k x 640 head at 16 rows took 0.38x the vector path's time, at one row
-// ~1.2-1.4x. The other formats unpack into a buffer first: q5_0 4096 x 640 took 0.40x at 16 rows
-// but 2.2x at one, 1.5x at four (`benchmarks/dev/cpu_quant_tiles.py`, 2-core Xeon with AMX,
-// 2026-11-26), and a one-stream decode step is all one-row calls. `tiles_all` (gemm's argument,
-// for tests and that script) sends every format to the tiles.
-inline bool use_tiles(int fmt, bool tiles_all) {
 #ifdef FLATSERVE_AMX
-  return flatserve::amx_available() && (tiles_all || fmt == Q8_0);
-#else
-  return false;
-#endif
+// The amx level's vector path: 16 weight rows in AVX-512 lanes (csrc/quant_rows.h rows16), four
+// activation rows at a time, the tiles' bits.
+template <int fmt, typename T>
+void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
+  const int64_t K = a.K, nb = K / 32;
+  std::vector<int16_t> xn(M * K);  // codes in value order: ACT_ORDER is its own inverse
+  for (int64_t i = 0; i < M * nb; ++i)
+    for (int pos = 0; pos < 32; ++pos) xn[32 * i + act_value(pos)] = a.q[32 * i + pos];
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> mn(16 * nb);
+    DirectRow<fmt> dr[16];
+    alignas(64) float res[16];
+    __m512 acc[4];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
+      for (int64_t r = 0; r < 16; ++r)  // lanes past N repeat the last row: read, never stored
+        dr[r] = {w + (n0 + std::min(r, nn - 1)) * row_bytes, mn.data() + r * nb, {}};
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t ms = std::min<int64_t>(4, M - m0);
+        const int16_t* xp[4];
+        const float *dp[4], *sp[4];
+        for (int64_t t = 0; t < 4; ++t) {
+          const int64_t m = m0 + std::min(t, ms - 1);
+          xp[t] = xn.data() + m * K, dp[t] = a.d + m * nb, sp[t] = a.s + m * nb;
+        }
+        if (ms == 1) rows16<fmt, 1>(dr, xp, dp, sp, nb, acc);
+        else if (ms == 2) rows16<fmt, 2>(dr, xp, dp, sp, nb, acc);
+        else if (ms == 3) rows16<fmt, 3>(dr, xp, dp, sp, nb, acc);
+        else rows16<fmt, 4>(dr, xp, dp, sp, nb, acc);
+        for (int64_t t = 0; t < ms; ++t) {
+          _mm512_store_ps(res, acc[t]);
+          for (int64_t r = 0; r < nn; ++r) store(out + (m0 + t) * ldo + n0 + r, res[r]);
+        }
+      }
+    }
+  });
 }
+#endif
+
+// gemm's `path`: AUTO picks by row count; ROWS and TILES force one (tests, benchmarks/dev).
+enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
+
+// At the amx level every format takes the AMX tiles (csrc/quant_amx.h) above TILE_ROWS rows and
+// rows16 at or below, the same bits either way. The tiles do 16 weight rows x 16 activation rows
+// per instruction pair but cost a fixed unpack, transpose and 16-row scaling per weight group:
+// at 16 rows the default model's 262k x 640 Q8_0 head took 0.38x the AVX2 vector path's time,
+// q5_0 4096 x 640 0.40x; at one row 1.2-1.4x and 2.2x (`benchmarks/dev/cpu_quant_tiles.py`, 2-core
+// Xeon with AMX, 2026-11-26).
+constexpr int64_t TILE_ROWS = 4;
 
 template <typename T>
 void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt,
-               T* out, int64_t ldo, bool tiles_all = false) {
+               T* out, int64_t ldo, int64_t path = AUTO) {
   const Layout L = layout(fmt);
   const int64_t K = a.K;
   if (M == 0) return;  // the direct path's dot would read 4 rows of an empty activation buffer
 #ifdef FLATSERVE_AMX
-  if (use_tiles(fmt, tiles_all)) {
-    flatserve::qamx::ActTiles tiles;
-    flatserve::qamx::act_tiles(a.q, a.d, a.s, M, K, tiles);
-    return flatserve::qamx::gemm(tiles, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
+  if (flatserve::amx_available()) {
+    if (path == TILES || (path == AUTO && M > TILE_ROWS)) {
+      flatserve::qamx::ActTiles tiles;
+      flatserve::qamx::act_tiles(a.q, a.d, a.s, M, K, tiles);
+      return flatserve::qamx::gemm(tiles, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
+    }
+    switch (fmt) {
+      case Q4_0: return gemm_rows16<Q4_0>(a, M, w, N, row_bytes, out, ldo);
+      case Q5_0: return gemm_rows16<Q5_0>(a, M, w, N, row_bytes, out, ldo);
+      case Q8_0: return gemm_rows16<Q8_0>(a, M, w, N, row_bytes, out, ldo);
+      case Q4_K: return gemm_rows16<Q4_K>(a, M, w, N, row_bytes, out, ldo);
+      case Q5_K: return gemm_rows16<Q5_K>(a, M, w, N, row_bytes, out, ldo);
+      case Q6_K: return gemm_rows16<Q6_K>(a, M, w, N, row_bytes, out, ldo);
+      case Q4_G: return gemm_rows16<Q4_G>(a, M, w, N, row_bytes, out, ldo);
+    }
   }
 #endif
 #if QG_AVX2
@@ -396,7 +372,7 @@ std::vector<at::Tensor> quantize_act(const at::Tensor& x) {
 // out[:, col : col + N] = x @ W^T for W [N, K] stored as `fmt` blocks (uint8 [N, row_bytes]);
 // x as quantize_act's codes.
 void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& w,
-          int64_t fmt, at::Tensor& out, int64_t col, bool tiles_all) {
+          int64_t fmt, at::Tensor& out, int64_t col, int64_t path) {
   const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
   TORCH_CHECK(xq.scalar_type() == at::kShort && xq.is_contiguous() && xd.is_contiguous() && xs.is_contiguous() &&
               xd.size(0) == M && xd.size(1) == K / 32 && xs.sizes() == xd.sizes(),
@@ -410,11 +386,11 @@ void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, cons
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int F = static_cast<int>(fmt);
   if (out.scalar_type() == at::kFloat)
-    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<float>() + col, out.stride(0), tiles_all);
+    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<float>() + col, out.stride(0), path);
   else if (out.scalar_type() == at::kBFloat16)
-    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::BFloat16>() + col, out.stride(0), tiles_all);
+    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::BFloat16>() + col, out.stride(0), path);
   else if (out.scalar_type() == at::kHalf)
-    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::Half>() + col, out.stride(0), tiles_all);
+    gemm_impl(a, M, wp, N, w.size(1), F, out.data_ptr<at::Half>() + col, out.stride(0), path);
   else
     TORCH_CHECK(false, "quant gemm: float32, bfloat16 or float16 output");
 }
@@ -518,7 +494,7 @@ std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& 
   auto exact = [&](int64_t n, int64_t t) {  // the head's fp32 logit: its own dot, its bits
     Unpacked u{nullptr, nullptr, nullptr, w8p + n * w8.size(1)};
 #ifdef FLATSERVE_AMX
-    if (use_tiles(Q8_0, false))  // gemm's tile path: its order of operations, so its bits
+    if (flatserve::amx_available())  // gemm's amx paths: their order of operations, so their bits
       return flatserve::qamx::exact(u, false, false, ac.q + t * K, ac.d + t * nb, ac.s + t * nb, nb);
 #endif
     float r;
@@ -583,7 +559,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"));
   m.def("gemm", &gemm, "out[:, col:col+N] = x @ W^T, W as GGUF blocks read in place",
         py::arg("xq"), py::arg("xd"), py::arg("xs"), py::arg("w"), py::arg("fmt"), py::arg("out"),
-        py::arg("col"), py::arg("tiles_all") = false);
+        py::arg("col"), py::arg("path") = 0);
   m.def("dequant", &dequant, "W's blocks -> dense rows (the torch reference's bits in fp32)");
   m.def("quant_linear", &quant_linear, "x @ W^T (+ bias) for a packed linear (QuantLinear.pack)");
   m.def("greedy_q4_argmax", &greedy_q4_argmax,

@@ -1,0 +1,149 @@
+// Decode-sized calls of the quantized GEMM (ops/csrc/quant_gemm_cpu.cpp): each weight row's
+// stored blocks read straight into registers (DirectRow), no unpack buffer. Two users:
+//
+// - the AVX2 vector path (1-4 activation rows; the avx2 and avx512 levels), in that file;
+// - at the amx level, `rows16` below: 16 weight rows at a time in AVX-512 lanes, computing the
+//   AMX tiles' bits (csrc/quant_amx.h) for any format, so a call takes the tiles or this path
+//   by row count alone and a row's result never depends on its call.
+#pragma once
+
+#include "quant_blocks.h"
+
+#if QG_AVX2
+#include <cstdint>
+#include <cstring>
+
+namespace flatserve::qblocks {
+
+// Why no buffer: it pays off only when many activation rows reuse the unpacked row, and its store
+// and reload cost more than the dots at 2 rows (the default model's 4096 x 640 q5_0 gate_up at
+// one decode row: 0.48 ms, 3.8 GB/s of weights). The values and scales are unpack_block's. The
+// format is a template argument: its branches and block arithmetic fold at compile time (as a
+// run-time value they cost the 4 x 640 q8_0 rows 96 -> 52 us at one thread).
+template <int fmt>
+struct DirectRow {
+  static constexpr Layout L = known_layout(fmt);
+  const uint8_t* row;
+  float* mn;     // [K/32]: the row's 32-value offsets (0 but for Q4_K/Q5_K), for the mins term
+  float sc[16];  // the current super-block's 16-value scales (K formats)
+
+  // Block b (32 values) -> its codes (values 0-31 in order) and the scales of its two halves.
+  __attribute__((always_inline)) inline void get(int64_t b, __m256i& wv, float& s0, float& s1) {
+    if constexpr (L.block == 32) {
+      const uint8_t* blk = row + b * L.type_size;
+      s0 = s1 = h2f(blk);
+      mn[b] = 0.f;
+      if constexpr (fmt == Q8_0) { wv = ld(blk + 2); return; }
+      if constexpr (fmt == Q4_G) { wv = _mm256_sub_epi8(nibbles_32(blk + 3), _mm256_set1_epi8(static_cast<char>(blk[2]))); return; }
+      __m256i q = nibbles_32(blk + (fmt == Q4_0 ? 2 : 6));
+      if constexpr (fmt == Q5_0) {
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2, 4);
+        q = _mm256_or_si256(q, bits_to_0x10(qh));
+      }
+      wv = _mm256_sub_epi8(q, _mm256_set1_epi8(fmt == Q4_0 ? 8 : 16));
+      return;
+    } else {
+    const int64_t c = b & 7;
+    const uint8_t* sb = row + (b >> 3) * L.type_size;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    if constexpr (fmt == Q6_K) {
+      if (c == 0) {
+        const float d = h2f(sb + 208);
+        const int8_t* scales = reinterpret_cast<const int8_t*>(sb + 192);
+        for (int i = 0; i < 16; ++i) sc[i] = d * static_cast<float>(scales[i]);
+      }
+      const int64_t half = c / 4, p = c % 4;
+      const __m256i l = ld(sb + 64 * half + 32 * (p % 2)), h = ld(sb + 128 + 32 * half);
+      const __m256i lo = p < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+      const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, static_cast<int>(2 * p)),
+                                                            _mm256_set1_epi8(3)), 4);
+      wv = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+      s0 = sc[2 * c], s1 = sc[2 * c + 1];
+      mn[b] = 0.f;
+      return;
+    }
+    if (c == 0) {  // Q4_K / Q5_K
+      uint8_t sv[8], mv[8];
+      k_scales(sb + 4, sv, mv);
+      auto f8 = [](const uint8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      };  // d * s exactly as the scalar product: one rounding
+      _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(h2f(sb)), f8(sv)));
+      _mm256_storeu_ps(mn + b, _mm256_mul_ps(_mm256_set1_ps(h2f(sb + 2)), f8(mv)));
+    }
+    const __m256i q = ld(sb + (fmt == Q4_K ? 16 : 48) + 32 * (c / 2));
+    __m256i v = c % 2 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m4) : _mm256_and_si256(q, m4);
+    if constexpr (fmt == Q5_K) {
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << c));
+      v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(ld(sb + 16), bit), bit),
+                                              _mm256_set1_epi8(0x10)));
+    }
+    wv = v;
+    s0 = s1 = sc[c];
+    }
+  }
+};
+
+#if defined(__AVX512BW__)
+// Sixteen int32 vectors -> lane r: the sum of v[r]'s lanes 0-7 (h0) and 8-15 (h1), in 45
+// shuffles and adds (pairs interleaved per 32 bits, then 64, then 128-bit chunks). With v[r]
+// the vpmaddwd of a block's 32 codes in value order, h0 and h1 are its two 16-value halves.
+inline void sum16(const __m512i v[16], __m512i& h0, __m512i& h1) {
+  __m512i a[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128 bits: rows 2i, 2i+1, 2i, 2i+1
+    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128 bits: rows 4k .. 4k+3
+    c[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_epi64(a[2 * k], a[2 * k + 1]));
+  // chunk j of c[k] covers lanes 4j..4j+3 of rows 4k..4k+3: halves are chunks 0+1 and 2+3
+  const __m512i z01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88), _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
+  const __m512i z23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88), _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
+  h0 = _mm512_shuffle_i32x4(z01, z23, 0x88);
+  h1 = _mm512_shuffle_i32x4(z01, z23, 0xDD);
+}
+
+// MS (1-4) activation rows against 16 weight rows: acc[t] lane r = out[row t, weight row r].
+// xn[t]: row t's codes in value order (not ACT_ORDER), xd / xs its scales and scaled sums per
+// block. Per result, in this order, as the tiles' group_dot (quant_amx.h):
+//   acc = fma(float(S) * w_scale, x_scale, acc)   per block (Q6_K: per half block)
+//   acc = fma(-w_min, x_sum, acc)                 K formats, after each block
+// S, the block's integer dot, is exact in any order of summation; the rest is the same operations
+// on the same operands, so the same bits. Per 16 rows and block: 16 widenings and vpmaddwd per
+// activation row, one 45-op reduction, 3 scaling ops, where the AVX2 path spends ~12 ops per row.
+template <int fmt, int MS>
+inline void rows16(DirectRow<fmt> (&dr)[16], const int16_t* const xn[MS], const float* const xd[MS],
+                   const float* const xs[MS], int64_t nb, __m512 acc[MS]) {
+  constexpr bool halves = fmt == Q6_K, mins = known_layout(fmt).mins;
+  alignas(64) float s0[16], s1[16], mn[16];
+  for (int t = 0; t < MS; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i wv[16];
+    for (int r = 0; r < 16; ++r) {
+      __m256i c;
+      dr[r].get(b, c, s0[r], s1[r]);
+      wv[r] = _mm512_cvtepi8_epi16(c);
+      if constexpr (mins) mn[r] = dr[r].mn[b];
+    }
+    const __m512 sc0 = _mm512_load_ps(s0), sc1 = _mm512_load_ps(s1);
+    for (int t = 0; t < MS; ++t) {
+      const __m512i x = _mm512_loadu_si512(xn[t] + 32 * b);
+      __m512i p[16];
+      for (int r = 0; r < 16; ++r) p[r] = _mm512_madd_epi16(wv[r], x);
+      __m512i h0, h1;
+      sum16(p, h0, h1);
+      const __m512 d = _mm512_set1_ps(xd[t][b]);
+      if constexpr (halves) {
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h0), sc0), d, acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h1), sc1), d, acc[t]);
+      } else {
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)), sc0), d, acc[t]);
+      }
+      if constexpr (mins)
+        acc[t] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_load_ps(mn)), _mm512_set1_ps(xs[t][b]), acc[t]);
+    }
+  }
+}
+#endif
+
+}  // namespace flatserve::qblocks
+#endif
