@@ -1,11 +1,11 @@
 """The quantized GEMM's paths at the amx level, AMX-INT8 tiles (csrc/quant_amx.h) and rows16
-(csrc/quant_rows.h, the tiles' bits in AVX-512 lanes), against the avx512 level's vector path
+(csrc/quant_rows.h, the tiles' bits in AVX-512 lanes), against the avx2 level's vector path
 (the AVX2 int16 code), one format and shape, at 1-32 activation rows, alternated in one process
 (min of 7 calls each; this kind of VM drifts +-30% between runs).
 
     .venv/bin/python benchmarks/dev/cpu_quant_tiles.py [--fmt q8_0] [--k 640] [--n 262144]
 
-Needs an AMX CPU. quant_gemm_cpu.cpp's TILE_ROWS came from this script.
+Needs an AMX CPU. quant_gemm_cpu.cpp's TILE_ROWS and rows16_format came from this script.
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ def main() -> None:
     fmt = FORMATS[args.fmt]
     w = random_blocks(fmt, args.n, args.k, 0).reshape(args.n, -1)
     exts = {}
-    for level in ("avx512", "amx"):
+    for level in ("avx2", "amx"):
         os.environ["FLATSERVE_CPU_ISA"] = level
         exts[level] = quant.kernel()
         assert exts[level] is not None and (level != "amx" or exts[level].isa() == "amx"), "needs an AMX CPU"
-    runs = {"vector": (exts["avx512"], 0), "rows16": (exts["amx"], 1), "tiles": (exts["amx"], 2)}
+    runs = {"vector": (exts["avx2"], 0), "rows16": (exts["amx"], 1), "tiles": (exts["amx"], 2)}
     print(f"{args.fmt} {args.n} x {args.k}, {torch.get_num_threads()} threads")
     for m in map(int, args.rows.split(",")):
         x = torch.randn(m, args.k).bfloat16()

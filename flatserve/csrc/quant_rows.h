@@ -10,6 +10,7 @@
 #include "quant_blocks.h"
 
 #if QG_AVX2
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -143,6 +144,34 @@ inline void rows16(DirectRow<fmt> (&dr)[16], const int16_t* const xn[MS], const 
     }
   }
 }
+
+// rows16's (and the tiles') result for one activation row (codes xq [K] in ACT_ORDER, scales xd,
+// xs [nb]) and one weight row, in their order of float operations (the integer block sums are
+// exact in any order): the greedy head's rescoring, which must give the bits the full head's GEMM
+// gives.
+inline float exact(const Unpacked& u, bool halves, bool mins, const int16_t* xq, const float* xd,
+                   const float* xs, int64_t nb) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* v = u.raw ? reinterpret_cast<const int8_t*>(u.raw + 34 * b + 2) : u.v + 32 * b;
+    for (int h = 0; h < (halves ? 2 : 1); ++h) {
+      int32_t S = 0;
+      if (!halves) {  // the greedy head's candidates (~3k a token): the block's 32 products at once
+        // codes in ACT_ORDER (8-byte groups 0, 2, 1, 3) against the stored codes; integer: exact
+        const __m256i wv = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)), 0xD8);
+        S = _mm512_reduce_add_epi32(_mm512_madd_epi16(_mm512_cvtepi8_epi16(wv),
+                                                      _mm512_loadu_si512(xq + 32 * b)));
+      } else {
+        for (int l = 16 * h; l < 16 * h + 16; ++l) S += int32_t(v[l]) * xq[32 * b + act_value(l)];
+      }
+      const float scale = u.raw ? h2f(u.raw + 34 * b) : u.sc[2 * b + h];
+      acc = std::fma(static_cast<float>(S) * scale, xd[b], acc);
+    }
+    if (mins) acc = std::fma(-u.mn[b], xs[b], acc);
+  }
+  return acc;
+}
+
 #endif
 
 }  // namespace flatserve::qblocks

@@ -188,9 +188,9 @@ void gemm_direct(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 }
 #endif
 
-#ifdef FLATSERVE_AMX
-// The amx level's vector path: 16 weight rows in AVX-512 lanes (csrc/quant_rows.h rows16), four
-// activation rows at a time, the tiles' bits.
+#if defined(__AVX512BW__)
+// 16 weight rows in AVX-512 lanes (csrc/quant_rows.h rows16), four activation rows at a time: at
+// the amx level the tiles' bits; at the avx512 level the path of the 32-value block formats.
 template <int fmt, typename T>
 void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
   const int64_t K = a.K, nb = K / 32;
@@ -228,6 +228,14 @@ void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 }
 #endif
 
+#if defined(__AVX512BW__)
+// Without tiles (the avx512 level: AMD Zen 4), the formats of 32-value blocks take rows16 at every
+// row count: the Q8_0 head at 1-16 rows in 0.62-0.82x the AVX2 path's time, q5_0 4096 x 640 in
+// 0.68-1.04x (`benchmarks/dev/cpu_quant_tiles.py`, 2-core Xeon, 2026-11-27). The K formats stay on
+// the AVX2 path: unpacking their 8 sub-block scales per row costs rows16 1.0-1.4x from 5 rows on.
+inline bool rows16_format(int fmt) { return fmt == Q4_0 || fmt == Q5_0 || fmt == Q8_0 || fmt == Q4_G; }
+#endif
+
 // gemm's `path`: AUTO picks by row count; ROWS and TILES force one (tests, benchmarks/dev).
 enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 
@@ -252,6 +260,19 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
       flatserve::qamx::act_tiles(a.q, a.d, a.s, M, K, tiles);
       return flatserve::qamx::gemm(tiles, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
     }
+    switch (fmt) {
+      case Q4_0: return gemm_rows16<Q4_0>(a, M, w, N, row_bytes, out, ldo);
+      case Q5_0: return gemm_rows16<Q5_0>(a, M, w, N, row_bytes, out, ldo);
+      case Q8_0: return gemm_rows16<Q8_0>(a, M, w, N, row_bytes, out, ldo);
+      case Q4_K: return gemm_rows16<Q4_K>(a, M, w, N, row_bytes, out, ldo);
+      case Q5_K: return gemm_rows16<Q5_K>(a, M, w, N, row_bytes, out, ldo);
+      case Q6_K: return gemm_rows16<Q6_K>(a, M, w, N, row_bytes, out, ldo);
+      case Q4_G: return gemm_rows16<Q4_G>(a, M, w, N, row_bytes, out, ldo);
+    }
+  }
+#endif
+#if defined(__AVX512BW__)
+  if (rows16_format(fmt) || path == ROWS) {
     switch (fmt) {
       case Q4_0: return gemm_rows16<Q4_0>(a, M, w, N, row_bytes, out, ldo);
       case Q5_0: return gemm_rows16<Q5_0>(a, M, w, N, row_bytes, out, ldo);
@@ -493,13 +514,13 @@ std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& 
   const uint8_t* w8p = w8.data_ptr<uint8_t>();
   auto exact = [&](int64_t n, int64_t t) {  // the head's fp32 logit: its own dot, its bits
     Unpacked u{nullptr, nullptr, nullptr, w8p + n * w8.size(1)};
-#ifdef FLATSERVE_AMX
-    if (flatserve::amx_available())  // gemm's amx paths: their order of operations, so their bits
-      return flatserve::qamx::exact(u, false, false, ac.q + t * K, ac.d + t * nb, ac.s + t * nb, nb);
-#endif
+#if defined(__AVX512BW__)  // gemm's Q8_0 path is rows16 (or the tiles): their order, their bits
+    return flatserve::qblocks::exact(u, false, false, ac.q + t * K, ac.d + t * nb, ac.s + t * nb, nb);
+#else
     float r;
     dot_rows<1>(u, ac, t, false, &r);
     return r;
+#endif
   };
   const auto dtype = x.scalar_type();
   auto stored = [dtype](float y) {  // the logit as gemm stores it in x's dtype (store())
@@ -550,6 +571,9 @@ std::tuple<at::Tensor, double> greedy_q4_copy(const at::Tensor& w8, int64_t K) {
 std::string isa() {
 #ifdef FLATSERVE_AMX
   if (flatserve::amx_available()) return "amx";
+#endif
+#if defined(__AVX512BW__)
+  return "avx512";
 #endif
   return QG_AVX2 ? "avx2" : "portable";
 }
