@@ -4,6 +4,8 @@ time (GB/s) beside the device's copy rate, the memory floor of a decode-sized ca
 
     PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py [--formats q4_0,q4_k,q8_0] [--rows 1,16,256,4096]
     PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --sweep   # the GEMV's tiles, and each path by rows
+    PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --planar [--tiles] [--kb] --rows 1,16,64
+        # q4_0 / q8_0: the stored blocks against the planar copy (quant_planar.py), in CUDA graphs
 
 Weights are random bytes with finite scales (timing does not depend on the values). Runtime
 (estimate, not timed): a minute on an H100.
@@ -43,9 +45,15 @@ def main() -> None:
     ap.add_argument("--formats", default="q4_0,q4_k,q8_0")
     ap.add_argument("--rows", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--planar", action="store_true")
+    ap.add_argument("--tiles", action="store_true", help="with --planar: sweep the planar kernels' tiles")
+    ap.add_argument("--kb", action="store_true", help="with --planar: the FMA kernel at one row, 4-32 "
+                    "blocks a step (longer runs of each weight row a step)")
     a = ap.parse_args()
     if a.sweep:
         return sweep(a.formats.split(","))
+    if a.planar:
+        return planar(a.tiles, [int(r) for r in a.rows.split(",")], a.kb)
     bw = copy_bandwidth()  # bytes moved per second (read + write), as offline_gpu.py's floor
     print(f"{torch.cuda.get_device_name()}  copy rate {bw / 1e9:.0f} GB/s")
     rows = [int(r) for r in a.rows.split(",")]
@@ -107,6 +115,117 @@ def sweep(formats: list[str]) -> None:
                 paths["gemv"] = lambda: qt.gemv(x, w, fmt, out)
             ts = {p: do_bench(fn, warmup=5, rep=20) * 1e3 for p, fn in paths.items()}
             print(f"{f} {name:8s} M={m:4d} " + "  ".join(f"{p} {t:7.1f}" for p, t in ts.items()), flush=True)
+
+
+def graph_us(fns: list, calls: int = 24, replays: int = 7) -> float:
+    """Median device time of one call, in us: `calls` calls cycling through `fns` (each over its
+    own copy of the weights, together over 2x the L2, so no call finds its weights cached)
+    captured in one CUDA graph, so the host's launch time (Triton's ~20 us a launch in Python)
+    does not count, only the device's, gaps between kernels included, as in the engine's
+    graphs."""
+    import torch
+
+    for fn in fns:  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    g.replay()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(ts)[len(ts) // 2]
+
+
+def planar(tiles: bool, rows: list[int], kb: bool = False) -> None:
+    """The planar copy against the stored blocks, q4_0 and q8_0: with `tiles`, a grid of (BLOCK_N,
+    KB, splits, warps, stages) of the FMA kernel at one and two rows and of the tensor-core
+    kernel at 16 rows, best three (with `kb`, the FMA kernel's blocks a step); then per row
+    count cuBLAS on bf16 weights, the stored blocks' path and the planar one, the latter also
+    with its split sum as a second launch (device us per call, graph_us; GB/s = weight bytes /
+    time)."""
+    import itertools
+
+    import torch
+
+    from flatserve.bench.gpu import copy_bandwidth
+    from flatserve.model import quant_planar as qp
+    from flatserve.model import quant_triton as qt
+    from flatserve.model.qformats import FORMATS
+
+    bw = copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"{torch.cuda.get_device_name()}  copy rate {bw / 1e9:.0f} GB/s (read + written), "
+          f"L2 {l2 >> 20} MiB", flush=True)
+
+    def copies(make, nbytes: int) -> list:
+        return [make() for _ in range(max(1, -(-2 * l2 // nbytes)))]
+
+    for name, (n, k) in SHAPES.items() if kb else ():
+        fmt = FORMATS["q4_0"]
+        ps = copies(lambda: qp.repack(random_blocks(n, k, fmt, "cuda"), fmt), n * fmt.row_bytes(k))
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+        res = [(graph_us([lambda p=p, c=c: qp.qgemm(x, p, fmt, out, c) for p in ps]), *c)
+               for c in itertools.product((32, 64), (4, 8, 16, 32), (2, 4, 8), (4,), (0,))
+               if (k // 32) % (c[1] * c[2]) == 0]
+        print(f"kb q4_0 {name:8s} M= 1 floor {ps[0].numel() / bw * 1e6:6.1f} us  "
+              + "  ".join(f"{t:6.1f} {c}" for t, *c in sorted(res)[:6]), flush=True)
+    for f, (name, (n, k)) in itertools.product(("q4_0", "q8_0") if tiles else (), SHAPES.items()):
+        fmt = FORMATS[f]
+        ps = copies(lambda: qp.repack(random_blocks(n, k, fmt, "cuda"), fmt), n * fmt.row_bytes(k))
+        # (BLOCK_N, KB, splits, warps, stages): the FMA kernel at 1 and 2 rows, the tensor-core
+        # one at 16 (q4_0)
+        for m, grid in ((1, itertools.product((64, 128), (4, 8), (2, 4, 8, 16), (4, 8), (0, 3))),
+                        (2, itertools.product((64, 128), (4, 8), (4, 8), (4,), (0, 3))),
+                        (16, itertools.product((64, 128), (1, 2), (4, 8, 16), (4, 8), (2, 3)))):
+            if m == 16 and f != "q4_0":
+                continue
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            res = []
+            for c in grid:
+                if (k // 32) % (c[1] * c[2]):
+                    continue
+                try:
+                    res.append((graph_us([lambda p=p, c=c: qp.qgemm(x, p, fmt, out, c) for p in ps]), *c))
+                except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so, go on)
+                    print(f"  {f} {name} M={m} {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            res.sort()
+            auto = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
+            print(f"tiles {f} {name:8s} M={m:2d} floor {ps[0].numel() / bw * 1e6:6.1f} us  auto "
+                  f"{qp._tiles(x.device, n, k // 32, m)} {auto:6.1f} us  best "
+                  + "  ".join(f"{t:6.1f} us {c}" for t, *c in res[:3]), flush=True)
+    for f in ("q4_0", "q8_0"):
+        fmt = FORMATS[f]
+        for name, (n, k) in SHAPES.items():
+            ws = copies(lambda: random_blocks(n, k, fmt, "cuda"), n * fmt.row_bytes(k))
+            ps = [qp.repack(w, fmt) for w in ws]
+            denses = copies(lambda: torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02, 2 * n * k)
+            nb = ws[0].numel()
+            for m in rows:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                t_bf = graph_us([lambda d=d: torch.mm(x, d.t(), out=out) for d in denses])
+                t_st = graph_us([lambda w=w: qt.qgemm(x, w, fmt, out) for w in ws])
+                t_pl = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
+                qp.FUSED_SUM = False
+                t_un = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
+                qp.FUSED_SUM = True
+                print(f"rows {f} {name:8s} M={m:4d} floor {nb / bw * 1e6:6.1f} us | bf16 {t_bf:7.1f} | "
+                      f"stored {t_st:7.1f} ({nb / t_st / 1e3:5.0f} GB/s) | planar {t_pl:7.1f} "
+                      f"({nb / t_pl / 1e3:5.0f} GB/s, {t_st / t_pl:4.2f}x stored, "
+                      f"{t_bf / t_pl:4.2f}x bf16) | "
+                      f"planar, split sum a 2nd launch {t_un:7.1f}",
+                      flush=True)
+            del ws, ps, denses
 
 
 if __name__ == "__main__":

@@ -86,9 +86,22 @@ class QuantLinear(nn.Module):
         self.loaded: set[str] = set()
         self.use_kernel = True  # False: the torch reference (tests)
         self.packed: torch.Tensor | None = None  # pack(): the decoder stack's one-tensor form
+        # Segments whose buffer holds quant_planar's GPU layout (q4_0 / q8_0 on CUDA, made once
+        # the segment's last shard is loaded): the CUDA kernels' copy, in place of the blocks.
+        self.planar: set[int] = set()
 
     def segments(self) -> list[tuple[Format, torch.Tensor]]:
+        """(format, buffer) per segment; a buffer in `planar` is not blocks (blocks() is)."""
         return [(f, getattr(self, f"qweight{i}")) for i, f in enumerate(self.fmts)]
+
+    def blocks(self, i: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Segment i's GGUF blocks (rows `rows`), from the planar copy where it is one."""
+        q = getattr(self, f"qweight{i}")
+        if i in self.planar:
+            from flatserve.model import quant_planar
+
+            return quant_planar.to_blocks(q, self.fmts[i], rows)
+        return q if rows is None else q[rows]
 
     def load_quant(self, shard: str, raw: torch.Tensor, fmt: Format) -> None:
         seg, row, n = self.offsets[shard]
@@ -102,6 +115,14 @@ class QuantLinear(nn.Module):
         else:
             dst[row:row + n].copy_(raw)
         self.loaded.add(shard)
+        q = getattr(self, f"qweight{seg}")
+        if q.device.type == "cuda" and self.use_kernel and \
+                all(s in self.loaded for s, (i, _, _) in self.offsets.items() if i == seg):
+            from flatserve.model import quant_planar
+
+            if quant_planar.supported(fmt):  # the blocks are freed: one copy at the peak
+                setattr(self, f"qweight{seg}", quant_planar.repack(q, fmt))
+                self.planar.add(seg)
 
     def load_perm(self, shard: str, perm: torch.Tensor) -> None:
         """Every shard of a fused linear reads the same input, so it must share the order."""
@@ -115,7 +136,7 @@ class QuantLinear(nn.Module):
     def dequant_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W as fp32 [len(ids), K] (single-segment tables: the embedding)."""
         assert len(self.fmts) == 1
-        return dequantize(self.qweight0[ids], self.fmts[0], self.in_features)
+        return dequantize(self.blocks(0, ids), self.fmts[0], self.in_features)
 
     def pack(self) -> torch.Tensor:
         """The linear as one uint8 tensor for the C++ decoder stack's `quant_linear` op: int64
@@ -124,6 +145,7 @@ class QuantLinear(nn.Module):
         the weights are not held twice; the Python path reads the same bytes."""
         if self.packed is not None:
             return self.packed
+        assert not self.planar, "pack() is the CPU stack's; this linear holds the CUDA layout"
         segs = self.segments()
         words = [len(segs), self.in_features, self.out_features]
         off = -(-8 * (3 + 4 * len(segs)) // 64) * 64
@@ -147,13 +169,14 @@ class QuantLinear(nn.Module):
         if self.perm.numel():
             x = x.index_select(-1, self.perm)
         if x.device.type == "cuda" and self.use_kernel and self._triton():
-            from flatserve.model import quant_triton
+            from flatserve.model import quant_planar, quant_triton
 
             x2 = x.reshape(-1, self.in_features).contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             col = 0
-            for fmt, q in self.segments():
-                quant_triton.qgemm(x2, q, fmt, y[:, col:col + q.shape[0]])
+            for i, (fmt, q) in enumerate(self.segments()):
+                mod = quant_planar if i in self.planar else quant_triton
+                mod.qgemm(x2, q, fmt, y[:, col:col + q.shape[0]])
                 col += q.shape[0]
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
@@ -212,7 +235,8 @@ class QuantLinear(nn.Module):
             buf = torch.empty(min(step, max(q.shape[0] for _, q in self.segments())), self.in_features,
                               dtype=x.dtype)
         col, y = 0, None
-        for fmt, q in self.segments():
+        for seg, fmt in enumerate(self.fmts):
+            q = self.blocks(seg)
             for i in range(0, q.shape[0], step):
                 if buf is not None:
                     w = buf[:min(step, q.shape[0] - i)]
@@ -333,7 +357,11 @@ def quantize_model(model: nn.Module, name: str) -> None:
     for parent in list(model.modules()):
         for cname, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.in_features % fmt.block == 0:
-                lin = QuantLinear(child.in_features, {"": (child.out_features, fmt)}, child.bias is not None)
+                # On the weight's device: built on the host, load_quant moved a GPU model's blocks
+                # there (since 6d784e3 the CUDA q4_0 run failed in its first forward).
+                with torch.device(child.weight.device):
+                    lin = QuantLinear(child.in_features, {"": (child.out_features, fmt)},
+                                      child.bias is not None)
                 lin.load_quant("", quantize(child.weight.data, fmt), fmt)
                 if child.bias is not None:
                     lin.bias = nn.Parameter(child.bias.detach(), requires_grad=False)

@@ -1,5 +1,7 @@
-"""CUDA path of the quantized linears: Triton kernels that dequantize 32 values at a time in
-registers and multiply them on the tensor cores.
+"""CUDA path of the quantized linears on blocks as stored: Triton kernels that dequantize 32
+values at a time in registers and multiply them on the tensor cores. (q4_0 and q8_0 segments
+loaded on CUDA are repacked at load and run on quant_planar.py instead; these kernels serve the
+other formats, and q4_0 / q8_0 blocks moved to CUDA after loading.)
 
 - decode-sized calls (up to GEMV_ROWS rows): narrow column tiles and the K axis split across
   programs (summed in a fixed order by `_split_sum_kernel`, so a row's bits do not depend on

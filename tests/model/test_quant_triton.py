@@ -1,4 +1,5 @@
-"""The Triton quantized GEMM (flatserve/model/quant_triton.py) against the torch reference
+"""The Triton quantized GEMMs (flatserve/model/quant_triton.py on stored blocks,
+flatserve/model/quant_planar.py on the q4_0 / q8_0 planar copy) against the torch reference
 (dequantized weights, dense matmul). On the CPU through the Triton interpreter (TRITON_INTERPRET=1
 set by the test in a subprocess, since the interpreter is chosen at import); on CUDA directly."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ pytest.importorskip("triton")
 
 _CHECK = r'''
 import sys, torch
-from flatserve.model import quant, quant_triton
+from flatserve.model import quant, quant_planar, quant_triton
 from flatserve.model.qformats import FORMATS, dequantize
 from tests.model.test_qformats import random_blocks
 dev = sys.argv[1]
@@ -35,6 +36,31 @@ for name in quant_triton.KERNEL_FORMATS:
         ref = x.double() @ w.double().t()
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-5, (name, m, n, k, err)
+# The planar copy (quant_planar): fresh random blocks and activations every run; rows 1-2 the FMA
+# kernel, 3-32 the tensor-core one, more dequantize + matmul; K split in 2-16 where K allows;
+# the output poisoned with NaN first (every element written).
+g = torch.Generator().manual_seed(torch.seed() % 2**31)
+for name in quant_planar.FORMATS:
+    fmt = FORMATS[name]
+    for m, (n, k) in ((1, (70, 128)), (1, (130, 1024)), (2, (64, 2048)), (3, (33, 256)), (4, (64, 1024)),
+                      (5, (64, 2048)), (16, (40, 4096)), (32, (24, 256)), (40, (33, 96))):
+        raw = random_blocks(fmt, n, k, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+        p = quant_planar.repack(raw.to(dev), fmt)
+        w = dequantize(raw, fmt, k)
+        x = torch.randn(m, k, generator=g)
+        ref = x.double() @ w.double().t()
+        # the auto tiles; at FMA rows also the other loop (STAGES 0: prefetch into registers)
+        for tiles in (None, (64, 4, 2, 4, 0)) if m <= quant_planar.FMA_ROWS and k >= 256 else (None,):
+            out = torch.full((m, n), float("nan"), device=dev)
+            quant_planar.qgemm(x.to(dev), p, fmt, out, tiles)
+            err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, ("planar", name, m, n, k, tiles, err)
+            if m <= quant_planar.GEMV_ROWS:  # the split sum in-kernel or a 2nd launch: same bits
+                quant_planar.FUSED_SUM = False
+                out2 = torch.full((m, n), float("nan"), device=dev)
+                quant_planar.qgemm(x.to(dev), p, fmt, out2, tiles)
+                quant_planar.FUSED_SUM = True
+                assert torch.equal(out, out2), ("planar split sum", name, m, n, k, tiles)
 print("ok")
 '''
 
@@ -78,3 +104,64 @@ def test_quantlinear_on_cuda_uses_triton_for_32_value_formats() -> None:
     ref = x.double().cpu() @ torch.cat(dense).double().t()
     got = lin(x).double().cpu()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2  # bf16 activations and output
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q8_0"])
+def test_planar_round_trip(name: str) -> None:
+    """repack then to_blocks gives the stored blocks back, all rows or a gather of rows; the
+    planar tensor has the blocks' shape and bytes; the codes in the documented order: q4_0's
+    nibble s (bits 4s) of int32 word w is value 4s + w, q8_0's byte s of word w value 8s + w."""
+    from flatserve.model import quant_planar
+    from flatserve.model.qformats import FORMATS, dequantize
+    from tests.model.test_qformats import random_blocks
+
+    fmt = FORMATS[name]
+    raw = random_blocks(fmt, 37, 512, seed=int(torch.seed() % 2**31))
+    p = quant_planar.repack(raw, fmt)
+    assert p.shape == raw.shape and p.dtype == torch.uint8
+    assert torch.equal(quant_planar.to_blocks(p, fmt), raw)
+    ids = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(quant_planar.to_blocks(p, fmt, ids), raw[ids])
+    codes, scales = quant_planar._split(p, fmt)
+    w = dequantize(raw, fmt, 512).view(37, 16, 32)
+    words = codes.contiguous().view(torch.int32)  # [37, 16, W]
+    bits, nw = (4, 4) if name == "q4_0" else (8, 8)
+    q = torch.empty(37, 16, 32)
+    for s in range(32 // nw):
+        field = (words >> (bits * s)) & (2**bits - 1)
+        q[..., nw * s:nw * (s + 1)] = (field - 8 if name == "q4_0" else (field ^ 128) - 128).float()
+    assert torch.equal(scales.float()[..., None] * q, w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quantlinear_on_cuda_repacks_q4_0_and_q8_0_at_load() -> None:
+    """Loaded on CUDA, q4_0 / q8_0 segments become the planar copy once their last shard is in
+    (same bytes), q5_0 stays as stored; outputs match the reference at 1, 3, 20 and 70 rows, and
+    the embedding's row lookup reads the planar table."""
+    from flatserve.model import quant
+    from flatserve.model.qformats import FORMATS, dequantize
+    from tests.model.test_qformats import random_blocks
+
+    shards = {"q": (96, FORMATS["q4_0"]), "k": (32, FORMATS["q4_0"]), "v": (64, FORMATS["q5_0"]),
+              "o": (48, FORMATS["q8_0"])}
+    lin = quant.QuantLinear(512, shards).cuda()
+    dense = []
+    for i, (s, (n, f)) in enumerate(shards.items()):
+        raw = random_blocks(f, n, 512, seed=int(torch.seed() % 2**31))
+        lin.load_quant(s, raw, f)
+        dense.append(dequantize(raw, f, 512))
+        assert lin.planar == {"q": set(), "k": {0}, "v": {0}, "o": {0, 2}}[s], (s, lin.planar)
+    assert lin.weight_bytes() == sum(n * f.row_bytes(512) for n, f in shards.values())
+    w = torch.cat(dense).double()
+    for m in (1, 3, 20, 70):
+        x = torch.randn(m, 512, device="cuda")
+        ref = x.double().cpu() @ w.t()
+        got = lin(x).double().cpu()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, m
+    table = quant.QuantLinear(512, {"": (40, FORMATS["q4_0"])}).cuda()
+    raw = random_blocks(FORMATS["q4_0"], 40, 512, seed=3)
+    table.load_quant("", raw, FORMATS["q4_0"])
+    assert table.planar == {0}
+    ids = torch.tensor([7, 0, 39], device="cuda")
+    got = quant.QuantEmbedding(table)(ids).cpu()
+    assert torch.equal(got, dequantize(raw, FORMATS["q4_0"], 512)[ids.cpu()])

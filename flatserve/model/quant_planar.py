@@ -1,0 +1,399 @@
+"""q4_0 / q8_0 weights on CUDA in planes: the GPU copy of a segment's GGUF blocks that the CUDA
+linears read (quant_triton.py reads the other formats' blocks as stored).
+
+Why: an 18-byte q4_0 block (34-byte q8_0) is only 2-byte aligned, so a kernel reading the blocks
+as stored makes 2-byte loads, and q4_0's nibbles pair values i and i + 16. At one row the GEMV on
+stored blocks read its bytes at 0.2-0.35x the copy rate on an H100 (docs/performance-gpu.md).
+
+Layout (same bytes as the blocks, one uint8 tensor of the blocks' shape [N, row_bytes], so byte
+counts and the module's buffers stay as they were):
+
+    codes   [N, K / 32, W] int32 words at byte 0     q4_0: W = 4, nibble s (bits 4s) of word w
+                                                     is value 4s + w of the block
+                                                     q8_0: W = 8, byte s of word w is value 8s + w
+    scales  [N, K / 32] fp16 after them
+
+so a block's codes are one (q4_0) or two (q8_0) 16-byte loads, and the values at one nibble
+(byte) position s of the block's words are W consecutive values: the activations they multiply
+are one W-wide load, in the codes' own register layout (no shuffle through shared memory).
+`repack` makes the copy once at load (QuantLinear.load_quant, on the GPU, a segment at a time:
+the peak holds one segment twice), `to_blocks` gives the stored blocks back (the embedding's
+row lookups, the torch reference).
+
+Kernels, each checked against the torch reference (tests/model/test_quant_triton.py, in the
+Triton interpreter on a CPU and compiled on CUDA):
+- up to FMA_ROWS rows: `_fma_kernel`, fp32 FMAs; codes to floats by masking each nibble in place
+  into the mantissa of 2^23 (x scaled by the nibble's power of 16, once per thread for all its
+  columns, not per weight) and the zero point taken out of the block's sum of x;
+- up to GEMV_ROWS rows: `_dot_kernel`, the weights dequantized in registers (the reference's
+  bits: d * (q - 8) in fp32, rounded to x's dtype) into tensor-core products;
+- above: `_dequant_kernel` to x's dtype, then cuBLAS.
+The K axis is split across programs and the partial sums added in a fixed order (in the FMA
+kernel by the last program of each column tile, _finish_split; else quant_triton's
+_split_sum_kernel), so a row's bits do not depend on the timing.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flatserve.model.qformats import Format
+
+FORMATS = {"q8_0": 0, "q4_0": 1}  # name -> kernel code
+_CB = {0: 32, 1: 16}  # code bytes per block
+FMA_ROWS = 2
+GEMV_ROWS = 32
+_CHUNK = 4096  # rows repacked at a time (bounds the temporaries)
+
+
+def supported(fmt: Format) -> bool:
+    return fmt.name in FORMATS
+
+
+def _split(p: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """Planar uint8 [N, row_bytes] -> (codes uint8 [N, nblk, CB], scales fp16 [N, nblk])."""
+    n, nblk = p.shape[0], p.shape[1] // fmt.type_size
+    cb = _CB[FORMATS[fmt.name]]
+    flat = p.view(-1)
+    return (flat[:n * nblk * cb].view(n, nblk, cb),
+            flat[n * nblk * cb:].view(torch.float16).view(n, nblk))
+
+
+@torch.no_grad()
+def repack(q: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """GGUF blocks uint8 [N, row_bytes] -> a new tensor of the same shape in planes."""
+    assert q.dim() == 2 and q.dtype == torch.uint8 and supported(fmt)
+    n, nblk = q.shape[0], q.shape[1] // fmt.type_size
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _locks(q.device)  # made now, outside any graph capture
+    codes, scales = _split(out, fmt)
+    for r in range(0, n, _CHUNK):
+        b = q[r:r + _CHUNK].reshape(-1, nblk, fmt.type_size)
+        scales[r:r + _CHUNK] = b[..., :2].contiguous().view(torch.float16).view(b.shape[0], nblk)
+        qs = b[..., 2:]
+        if fmt.name == "q4_0":  # stored byte i: value i (low nibble), i + 16 (high)
+            vals = torch.cat([qs & 15, qs >> 4], -1).view(-1, nblk, 4, 8)  # [.., h, 8]: value 8h + j
+            # code byte 4w + h: value 8h + w (low nibble), 8h + 4 + w (high)
+            qs = (vals[..., :4] | (vals[..., 4:] << 4)).transpose(-1, -2).reshape(-1, nblk, 16)
+        else:  # code byte 4w + s: value 8s + w
+            qs = qs.reshape(-1, nblk, 4, 8).transpose(-1, -2).reshape(-1, nblk, 32)
+        codes[r:r + _CHUNK] = qs
+    return out
+
+
+@torch.no_grad()
+def to_blocks(p: torch.Tensor, fmt: Format, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The GGUF blocks of planar `p` (rows `rows`, default all): uint8 [rows, row_bytes]."""
+    codes, scales = _split(p, fmt)
+    if rows is not None:
+        codes, scales = codes[rows], scales[rows]
+    lead = codes.shape[:-1]
+    if fmt.name == "q4_0":  # (index tensors would be host-to-device copies: the embedding's rows
+        # are read inside CUDA graphs)
+        c = codes.reshape(*lead, 4, 4).transpose(-1, -2)  # [.., h, w]
+        vals = torch.cat([c & 15, c >> 4], -1).reshape(*lead, 32)  # K order
+        codes = vals[..., :16] | (vals[..., 16:] << 4)
+    else:
+        codes = codes.reshape(*lead, 8, 4).transpose(-1, -2).reshape(*lead, 32)
+    d = scales.contiguous().view(torch.uint8).view(*scales.shape, 2)
+    return torch.cat([d, codes], -1).reshape(codes.shape[0], -1)
+
+
+@triton.jit
+def _mantissa(v, mask: tl.constexpr, magic):
+    """(v & mask) placed in the mantissa of 2^23 (magic = its bits, 0x4B000000), less 2^23: the
+    field's value times its bit position's power of 2 (exact for fields below bit 23). magic is
+    a kernel argument, not a constant: in a register, it leaves LOP3's one immediate to the
+    mask (with both constant, ptxas moved a mask into a register before each use)."""
+    return ((v & mask) | magic).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _fma_step(v, d, x_ptr, stride_xm, kb0, xoff, magic, acc0, acc1, acc2, acc3, FMT: tl.constexpr,
+              ROWS: tl.constexpr):
+    """One step of _fma_kernel: codes v [BN, KB, W], scales d [BN, KB] fp32 into the rows'
+    [BN, KB] accumulators."""
+    if FMT == 0:
+        v = v ^ -2139062144  # 0x80808080: int8 q -> q + 128 in each byte
+    lo = v
+    hi = v >> 16  # the masks below take bits 0-15 only
+    if FMT == 1:
+        f0 = _mantissa(lo, 0xF, magic)
+        f1 = _mantissa(lo, 0xF0, magic)
+        f2 = _mantissa(lo, 0xF00, magic)
+        f3 = _mantissa(lo, 0xF000, magic)
+        g0 = _mantissa(hi, 0xF, magic)
+        g1 = _mantissa(hi, 0xF0, magic)
+        g2 = _mantissa(hi, 0xF00, magic)
+        g3 = _mantissa(hi, 0xF000, magic)
+    else:
+        f0 = _mantissa(lo, 0xFF, magic)
+        f1 = _mantissa(lo, 0xFF00, magic)
+        g0 = _mantissa(hi, 0xFF, magic)
+        g1 = _mantissa(hi, 0xFF00, magic)
+    for r in tl.static_range(ROWS):
+        xr = x_ptr + r * stride_xm + kb0 * 32 + xoff
+        if FMT == 1:
+            x0 = tl.load(xr).to(tl.float32)
+            x1 = tl.load(xr + 4).to(tl.float32)
+            x2 = tl.load(xr + 8).to(tl.float32)
+            x3 = tl.load(xr + 12).to(tl.float32)
+            x4 = tl.load(xr + 16).to(tl.float32)
+            x5 = tl.load(xr + 20).to(tl.float32)
+            x6 = tl.load(xr + 24).to(tl.float32)
+            x7 = tl.load(xr + 28).to(tl.float32)
+            zero = (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7) * 8.0
+            t = f0 * x0 + f1 * (x1 * 0.0625) + f2 * (x2 * 0.00390625) + f3 * (x3 * 0.000244140625) \
+                + g0 * x4 + g1 * (x5 * 0.0625) + g2 * (x6 * 0.00390625) + g3 * (x7 * 0.000244140625) \
+                - zero
+        else:
+            x0 = tl.load(xr).to(tl.float32)
+            x1 = tl.load(xr + 8).to(tl.float32)
+            x2 = tl.load(xr + 16).to(tl.float32)
+            x3 = tl.load(xr + 24).to(tl.float32)
+            zero = (x0 + x1 + x2 + x3) * 128.0
+            t = f0 * x0 + f1 * (x1 * 0.00390625) + g0 * x2 + g1 * (x3 * 0.00390625) - zero
+        s = tl.sum(t, axis=2) * d  # [BN, KB]
+        if r == 0:
+            acc0 += s
+        elif r == 1:
+            acc1 += s
+        elif r == 2:
+            acc2 += s
+        else:
+            acc3 += s
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _fma_kernel(x_ptr, c_ptr, s_ptr, part_ptr, out_ptr, lock_ptr, N, nblk, stride_xm, stride_om,
+                blocks_per_split, magic, FMT: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr,
+                SPLITS: tl.constexpr, FUSED: tl.constexpr):
+    """out[:ROWS, cols] = x @ W^T, this program's share of K (blocks_per_split blocks, KB a step;
+    with SPLITS > 1 its fp32 partial to part[split], summed by _finish_split or the host's
+    _split_sum_kernel).
+
+    q4_0: nibble s of word w is value 4s + w; the word's low half gives s = 0..3 as q * 16^s
+    (_mantissa, no shift), its high half s = 4..7, and x_s = x[4s + w], w = 0..3, is loaded as
+    a [1, KB, 4] tile in the codes' own layout (no layout conversion) and scaled by 16^-s
+    (exact), once per thread for all its columns. q8_0 likewise with bytes (q + 128 through an
+    xor; value 8s + w). The zero point (8, 128) comes off as 8 * sum(x).
+    STAGES 0: the next step's codes loaded into registers before this step's arithmetic; else
+    Triton's pipeliner, STAGES steps in flight through shared memory (cp.async)."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    W: tl.constexpr = 4 if FMT == 1 else 8  # int32 code words per block
+    b = tl.arange(0, KB)
+    wi = tl.arange(0, W)[None, None, :]
+    crow = c_ptr + (tl.minimum(rn, N - 1).to(tl.int64) * nblk)[:, None, None] * W \
+        + (b[None, :, None] * W + wi)  # [BN, KB, W]
+    srow = s_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * nblk + b[None, :]  # [BN, KB]
+    xoff = b[None, :, None] * 32 + wi  # [1, KB, W]: x_s at xoff + s W
+    # [BN, KB] accumulators, summed over KB once at the end (no cross-thread sum per step)
+    acc0 = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
+    first = pid_s * blocks_per_split
+    end = first + blocks_per_split
+    if STAGES == 0:
+        v_next = tl.load(crow + first * W)
+        d_next = tl.load(srow + first)
+        for kb0 in range(first, end, KB):
+            v, d = v_next, d_next.to(tl.float32)
+            more = kb0 + KB + b < end  # [KB]: all true or all false
+            v_next = tl.load(crow + (kb0 + KB) * W, mask=more[None, :, None], other=0)
+            d_next = tl.load(srow + kb0 + KB, mask=more[None, :], other=0.0)
+            acc0, acc1, acc2, acc3 = _fma_step(v, d, x_ptr, stride_xm, kb0, xoff, magic,
+                                               acc0, acc1, acc2, acc3, FMT, ROWS)
+    else:
+        for kb0 in tl.range(first, end, KB, num_stages=STAGES):
+            v = tl.load(crow + kb0 * W)
+            d = tl.load(srow + kb0).to(tl.float32)
+            acc0, acc1, acc2, acc3 = _fma_step(v, d, x_ptr, stride_xm, kb0, xoff, magic,
+                                               acc0, acc1, acc2, acc3, FMT, ROWS)
+    for r in tl.static_range(ROWS):
+        acc = tl.sum(acc0 if r == 0 else (acc1 if r == 1 else (acc2 if r == 2 else acc3)), axis=1)
+        if SPLITS == 1:
+            tl.store(out_ptr + r * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            tl.store(part_ptr + (pid_s * ROWS + r) * N + rn, acc, mask=mask_n)
+    if SPLITS > 1 and FUSED:
+        _finish_split(part_ptr, out_ptr, lock_ptr, pid_n, ROWS, N, stride_om, SPLITS, ROWS, BLOCK_N)
+
+
+@triton.jit
+def _finish_split(part_ptr, out_ptr, lock_ptr, pid_n, M, N, stride_om, SPLITS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's partial is in part [SPLITS, M, N]; the last of its column tile's SPLITS
+    programs to arrive (a counter per tile, lock_ptr, back to 0 after) adds the partials in
+    split order, as _split_sum_kernel does (the same bits whichever program is last), and
+    writes out: one launch a linear instead of two."""
+    tl.debug_barrier()  # every thread's partial stored before the counter moves
+    n_done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if n_done == SPLITS - 1:
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        p = part_ptr + rm[:, None] * N + rn[None, :]
+        acc = tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+        for i in tl.static_range(1, SPLITS):
+            acc += tl.load(p + i * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+@triton.jit
+def _values(v, FMT: tl.constexpr):
+    """Code words v [R, W] -> [R, 32 / W, W] fp32 q - zero: element (s, w) is nibble (byte) s
+    of word w, value 4s + w (8s + w), so a reshape to [R, 32] is the block in K order."""
+    if FMT == 1:
+        q = (v[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 0xF
+        w = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    else:
+        q = ((v[:, None, :] >> (8 * tl.arange(0, 4))[None, :, None]) & 0xFF) ^ 0x80
+        w = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    return w
+
+
+@triton.jit
+def _weights(c_ptr, s_ptr, rnc, nblk, kb, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block kb of rows rnc [BN] -> [BN, 32] fp32 in K order, d * (q - zero) (the reference's
+    bits)."""
+    W: tl.constexpr = 4 if FMT == 1 else 8
+    v = tl.load(c_ptr + (rnc.to(tl.int64) * nblk)[:, None] * W + (kb * W + tl.arange(0, W))[None, :])
+    d = tl.load(s_ptr + rnc.to(tl.int64) * nblk + kb).to(tl.float32)
+    return d[:, None] * tl.reshape(_values(v, FMT), (BLOCK_N, 32))
+
+
+@triton.jit
+def _dot_kernel(x_ptr, c_ptr, s_ptr, part_ptr, out_ptr, lock_ptr, M, N, nblk, stride_xm, stride_om,
+                blocks_per_split, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                KB: tl.constexpr, SPLITS: tl.constexpr, FUSED: tl.constexpr):
+    """out[:M, cols] = x @ W^T over this split's K range on the tensor cores (partials as
+    _fma_kernel): the weights the dot's left operand [BLOCK_N, 32] per block, x^T [32, BLOCK_M]
+    the right."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rnc = tl.minimum(rn, N - 1)
+    rm = tl.arange(0, BLOCK_M)
+    mask_m = rm < M
+    j = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    first = pid_s * blocks_per_split
+    for kb0 in range(first, first + blocks_per_split, KB):
+        for i in tl.static_range(KB):
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (kb0 + i) * 32 + j[:, None],
+                         mask=mask_m[None, :], other=0.0)  # [32, BM]
+            w = _weights(c_ptr, s_ptr, rnc, nblk, kb0 + i, FMT, BLOCK_N).to(xt.dtype)
+            acc += tl.dot(w, xt, input_precision="ieee", out_dtype=tl.float32)
+    mask = mask_m[None, :] & (rn < N)[:, None]
+    if SPLITS == 1:
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        tl.store(part_ptr + (pid_s * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
+        if FUSED:
+            _finish_split(part_ptr, out_ptr, lock_ptr, pid_n, M, N, stride_om, SPLITS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _dequant_kernel(c_ptr, s_ptr, out_ptr, N, K, nblk, FMT: tl.constexpr,
+                    BLOCK_N: tl.constexpr, KB: tl.constexpr):
+    """out [N, K] (x's dtype) = d * (q - zero) (the reference's bits), [BLOCK_N, KB blocks] a
+    program: the codes in one [BN, KB, W] load, each block's 32 values one contiguous store."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rnc = tl.minimum(rn, N - 1)
+    W: tl.constexpr = 4 if FMT == 1 else 8
+    b = pid_k * KB + tl.arange(0, KB)
+    wi = tl.arange(0, W)[None, None, :]
+    v = tl.load(c_ptr + (rnc.to(tl.int64) * nblk)[:, None, None] * W + (b[None, :, None] * W + wi))
+    d = tl.load(s_ptr + rnc[:, None].to(tl.int64) * nblk + b[None, :]).to(tl.float32)[:, :, None]
+    w = tl.reshape(_values(tl.reshape(v, (BLOCK_N * KB, W)), FMT), (BLOCK_N, KB, 32)) * d  # K order
+    o = out_ptr + rn[:, None, None].to(tl.int64) * K + (b[:, None] * 32 + tl.arange(0, 32)[None, :])[None]
+    tl.store(o, w.to(out_ptr.dtype.element_ty), mask=(rn < N)[:, None, None])
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+FUSED_SUM = True  # False: the split partials summed by a second launch (the benchmark's A/B)
+
+
+def _locks(device: torch.device) -> torch.Tensor | None:
+    """The per-column-tile counters of _finish_split (zeros between launches), one buffer per
+    device, made outside graph capture (repack at load makes it). Launches on one stream at a
+    time share it."""
+    t = _LOCKS.get(device)
+    if t is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        t = _LOCKS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    return t
+
+
+def _views(p: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, int]:
+    codes, scales = _split(p, fmt)
+    return codes.view(torch.int32), scales, codes.shape[1]
+
+
+def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
+          tiles: tuple[int, int, int, int, int] | None = None) -> None:
+    """out [M, N] = x [M, K] @ W^T, W planar uint8 [N, row_bytes] (repack). `tiles` (BLOCK_N,
+    KB, splits, warps, stages) overrides the decode-sized paths' choice
+    (benchmarks/dev/quant_gemm_gpu.py --planar --tiles)."""
+    (M, K), N = x.shape, p.shape[0]
+    assert x.stride(1) == 1 and out.stride(1) == 1 and p.is_contiguous() and K % 32 == 0
+    assert p.shape[1] == fmt.row_bytes(K) and out.shape == (M, N)
+    codes, scales, nblk = _views(p, fmt)
+    code = FORMATS[fmt.name]
+    if M > GEMV_ROWS:
+        dense = torch.empty(N, K, dtype=x.dtype, device=x.device)
+        kb = next(k for k in (8, 4, 2, 1) if nblk % k == 0)
+        _dequant_kernel[(triton.cdiv(N, 64), nblk // kb)](codes, scales, dense, N, K, nblk, FMT=code,
+                                                         BLOCK_N=64, KB=kb)
+        torch.mm(x, dense.t(), out=out) if out.is_contiguous() else out.copy_(x @ dense.t())
+        return
+    fma = M <= FMA_ROWS
+    bn, kb, splits, warps, stages = tiles or _tiles(x.device, N, nblk, M)
+    per = nblk // splits
+    assert per * splits == nblk and per % kb == 0, (nblk, kb, splits)
+    part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, bn), splits)
+    # In-kernel split sums for the FMA kernel only: at 16 rows the last program's sum of 16
+    # partial tiles cost more than the second launch (o 25.1 against 21.0 us, H100, 2026-11-27)
+    locks = _locks(x.device) if FUSED_SUM and fma and splits > 1 else None
+    fused = locks is not None and grid[0] <= locks.numel()
+    locks = locks if fused else part
+    if fma:
+        _fma_kernel[grid](x, codes, scales, part, out, locks, N, nblk, x.stride(0), out.stride(0), per,
+                          0x4B000000, FMT=code, ROWS=M, BLOCK_N=bn, KB=kb, STAGES=stages,
+                          SPLITS=splits, FUSED=fused, num_warps=warps)
+    else:
+        _dot_kernel[grid](x, codes, scales, part, out, locks, M, N, nblk, x.stride(0), out.stride(0), per,
+                          FMT=code, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, KB=kb,
+                          SPLITS=splits, FUSED=fused, num_warps=warps, num_stages=stages)
+    if splits > 1 and not fused:
+        from flatserve.model.quant_triton import _split_sum_kernel
+
+        _split_sum_kernel[(triton.cdiv(M * N, 1024),)](part, out, M * N, N, out.stride(0),
+                                                        SPLITS=splits, BLOCK=1024)
+
+
+def _tiles(device: torch.device, n: int, nblk: int, rows: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, KB, splits, warps, stages), near the best of benchmarks/dev/quant_gemm_gpu.py
+    --planar --tiles on an H100 (2026-11-27, Llama-3-8B's four shapes, q4_0 and q8_0): the FMA
+    kernel 64 columns, 4 blocks a step, the next step prefetched into registers (stages 0;
+    Triton's cp.async pipeliner was slower), 4 warps, K split at least in 4; the tensor-core
+    kernel 128 columns, 2 blocks a step, 3 stages; K split at least in 4, and further
+    until there are >= 2.5 programs per SM."""
+    # The Triton interpreter (tests): a 2-SM device, so K still splits.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    fma = rows <= FMA_ROWS
+    bn, kb, stages, least = (64, 4, 0, 4) if fma else (128, 2, 3, 4)
+    kb = next(k for k in (kb, 2, 1) if nblk % k == 0)
+    tiles, splits = triton.cdiv(n, bn), 1
+    while (splits < least or tiles * splits * 2 < 5 * sms) and nblk % (2 * splits * kb) == 0:
+        splits *= 2
+    return bn, kb, splits, 4, stages
