@@ -40,7 +40,11 @@ struct DirectRow {
       if constexpr (fmt == Q5_0) {
         uint32_t qh;
         std::memcpy(&qh, blk + 2, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)  // bit i -> byte i: one masked broadcast
+        q = _mm256_or_si256(q, _mm256_maskz_set1_epi8(static_cast<__mmask32>(qh), 0x10));
+#else
         q = _mm256_or_si256(q, bits_to_0x10(qh));
+#endif
       }
       wv = _mm256_sub_epi8(q, _mm256_set1_epi8(fmt == Q4_0 ? 8 : 16));
       return;
