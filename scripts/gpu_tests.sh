@@ -3,6 +3,7 @@
 # benchmarks' smoke runs. Run it whenever a change touches code the GPU path uses:
 #   bash scripts/gpu_tests.sh            # the whole suite (xdist) + smoke runs
 #   bash scripts/gpu_tests.sh -k triton  # extra pytest arguments narrow the suite
+#   TARGETS="tests/model tests/ops" SMOKE=0 bash scripts/gpu_tests.sh   # a part (one call each)
 # The machine needs torch with CUDA and transformers; the rest of the project's Python packages
 # come from PyPI or, on a machine with no network, from wheels in .whl/ (see docs/structures.md,
 # "Testing on a GPU"). The default model's package (245 MB) is not carried: its tests skip there.
@@ -26,8 +27,9 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "tri
       torch.cuda.get_device_name(), f"x{torch.cuda.device_count()}")
 PY
 workers=${WORKERS:-$(( $(nproc) < 8 ? $(nproc) : 8 ))}
-$PY -m pytest -q -n "$workers" -p no:cacheprovider "$@" tests
+$PY -m pytest -q -n "$workers" -p no:cacheprovider "$@" ${TARGETS:-tests}
 rc=$?
+[ "${SMOKE:-1}" = 0 ] && exit $rc
 echo "== smoke: offline_gpu (qwen3-0.6b shape, 64 prompts, engine defaults)"
 $PY benchmarks/offline_gpu.py --shape qwen3-0.6b --prompts 64 --input 128 --output 32 \
     --engines flatserve --out /tmp/offline_gpu_smoke.json --timeout 280 || rc=1
