@@ -43,13 +43,49 @@ def ragged_logits(llm, hf, prompts: list[list[int]]) -> tuple[torch.Tensor, torc
     return eng.runner.forward_logits(batch), ref  # [T, V] each
 
 
+# Top-k routing is discontinuous: where a token's k-th and (k+1)-th router logits in transformers'
+# forward are closer than the two implementations' fp32 rounding apart (~1e-6 here), either may
+# pick the other expert and that token's logits differ by ~0.1-0.3 (e77fa3c's CI run: 0.275, seen
+# once in ~20 runs). Prompts whose routing holds such a near tie are redrawn: parity is asserted
+# where the reference is well-conditioned.
+ROUTER_TIE = 2e-5
+
+
+def _router_margin(hf, prompts: list[list[int]]) -> float:
+    """The smallest gap between the top-k and the next router logit over every token and MoE layer."""
+    gaps: list[float] = []
+
+    def hook(mod, args, _out) -> None:
+        logits = torch.nn.functional.linear(args[0].reshape(-1, mod.weight.shape[1]), mod.weight,
+                                            getattr(mod, "bias", None))
+        top = logits.topk(mod.top_k + 1, dim=-1).values
+        gaps.append((top[:, -2] - top[:, -1]).min().item())
+
+    mods = [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+    handles = [m.register_forward_hook(hook) for m in mods]
+    try:
+        with torch.no_grad():
+            for p in prompts:
+                hf(torch.tensor([p]))
+    finally:
+        for h in handles:
+            h.remove()
+    assert gaps, "no router found to hook"
+    return min(gaps)
+
+
 def test_logits_match_transformers_on_ragged_batch(moe_checkpoint) -> None:
     family, path, hf = moe_checkpoint
     llm = _llm(path, max_num_batched_tokens=4096, attention_backend="torch")
     blocks = _moe_blocks(llm)
     assert len(blocks) == (3 if family == "qwen3_moe" else 4)  # Qwen3: layer 1 is dense
-    seed = random.randrange(1 << 30)
-    prompts = _prompts(seed=seed)
+    for _ in range(20):
+        seed = random.randrange(1 << 30)
+        prompts = _prompts(seed=seed)
+        if _router_margin(hf, prompts) > ROUTER_TIE:
+            break
+    else:
+        pytest.fail(f"20 prompt draws all held a router near-tie (< {ROUTER_TIE})")
     for path_name in ("grouped", "ref"):
         for b in blocks:
             b.path = path_name
