@@ -5,7 +5,7 @@ import functools
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -204,9 +204,87 @@ def release_freed_memory(device: torch.device) -> None:
         pass  # not glibc (macOS): nothing to trim
 
 
+_MADV_DONTNEED = 4  # Linux (asm-generic/mman-common.h)
+
+
+def release_file_pages(live: Iterable[torch.Tensor]) -> int:
+    """Unmap the pages of checkpoint-file mappings that no live tensor reads; -> bytes released.
+
+    The loader adopts checkpoint tensors as views of one mmap of the file, which stays mapped as
+    long as any of them lives (the default GGUF's embedding table). Every page it has faulted in
+    stays resident with it, also where the tensor there was copied elsewhere and dropped: a fused
+    linear's shards (q|k|v, gate|up) copied into one buffer, or the blocks the CPU decoder stack
+    packs into one tensor. For the default GGUF that was 65 MB of layer weights held twice
+    (benchmarks/dev/cpu_rss.py, 2026-11-27). Only mappings of a file that hold one of `live`
+    are touched, and only their pages with no byte of a `live` tensor on them: nothing read is
+    dropped, and such a page read again would be faulted in from the file (same bytes)."""
+    if not hasattr(os, "sysconf"):
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for t in live if t.device.type == "cpu" and t.numel())
+    try:
+        with open("/proc/self/maps") as f:
+            maps = [m for m in map(_file_mapping, f) if m is not None]
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return 0  # not Linux/glibc: the pages stay mapped
+    freed = 0
+    for a, b in maps:
+        inside = [(lo, hi) for lo, hi in spans if a <= lo < b]
+        if not inside:
+            continue
+        cur = a  # page-aligned start of the next gap
+        for lo, hi in inside + [(b, b)]:
+            end = lo // page * page  # the gap's pages end where a live tensor's first page starts
+            if end > cur and libc.madvise(cur, end - cur, _MADV_DONTNEED) == 0:
+                freed += end - cur
+            cur = max(cur, -(-hi // page) * page)
+    return freed
+
+
+def _file_mapping(line: str) -> tuple[int, int] | None:
+    """A /proc/self/maps line -> (start, end) if it maps a file (inode set, a path), else None."""
+    f = line.split()
+    if len(f) < 6 or f[4] == "0" or not f[5].startswith("/"):
+        return None
+    a, b = (int(x, 16) for x in f[0].split("-"))
+    return a, b
+
+
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _KEEP_HEAP_BYTES = 1 << 30
+_STARTUP_MMAP_BYTES = 1 << 20
+
+
+def map_large_allocations(device: torch.device) -> bool:
+    """CPU on glibc, for start-up until keep_freed_heap: every allocation of 1 MiB or more gets
+    a mapping of its own, so the heap holds only small objects; -> whether the setting took.
+
+    Why: loading puts large tensors that live (weights, packed layouts, the greedy head's copy)
+    and large ones that die (the checkpoint's dtype conversions, the weights a packed layout
+    replaces, the peak profile's steps) side by side in the heap. The dead ones leave holes
+    between the living, given back to the OS (release_freed_memory) but kept in the heap's
+    span; once keep_freed_heap has stopped trimming, the steps' transients land in those holes
+    here and there, and every hole they touch stays resident. With bf16 weights that was 142 MiB
+    of free heap resident after 16 streams of 256 + 64 tokens; with the
+    large ones mapped apart it was 43 MiB and the run's peak RSS 1,329 -> 1,231 MiB
+    (benchmarks/dev/cpu_rss.py --dequantize, 2-core Xeon AMX, 2026-11-27). Setting the
+    threshold turns off glibc's dynamic one (which rises to each freed mapping's size, up to 32
+    MiB, so a 5 MiB weight freed at load sent the next 5 MiB weights to the heap); start-up's
+    own steps then fault their transients in each time, which only the profile's two steps do."""
+    if device.type != "cpu":
+        return False
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _STARTUP_MMAP_BYTES))
+    except (OSError, AttributeError):
+        return False  # not glibc (macOS): its allocator is left as it is
 
 
 def keep_freed_heap(device: torch.device) -> bool:

@@ -202,3 +202,68 @@ def test_zeros_on_demand_maps_pages_as_written() -> None:
     assert alloc < 16 * MiB, alloc
     assert 24 * MiB < written < 48 * MiB, written  # the 32 MiB written, nothing else
     assert read < 8 * MiB, read  # 64 MiB read untouched: no pages of its own
+
+
+_FILE_PAGES_CHILD = """
+import sys, torch
+from safetensors.torch import save_file
+from safetensors import safe_open
+from flatserve import device as dev
+MiB = 2**20
+path = sys.argv[1]
+save_file({"a": torch.arange(8 * MiB // 4, dtype=torch.int32),
+           "b": torch.full((8 * MiB // 4,), 7, dtype=torch.int32)}, path)
+with safe_open(path, framework="pt") as f:  # one mmap of the file, as the loader's
+    a, b = f.get_tensor("a"), f.get_tensor("b")
+a.sum(), b.sum()  # fault both in
+copy = a.clone()
+heap = torch.ones(4 * MiB // 4, dtype=torch.int32)
+del a  # copied elsewhere: its pages are read by nothing, the mapping stays (b's)
+rss0 = dev.process_rss()
+freed = dev.release_file_pages([b, copy, heap])
+print(freed, rss0 - dev.process_rss(), int(torch.equal(b, torch.full_like(b, 7))),
+      int(heap.sum().item() == heap.numel()), dev.release_file_pages([heap]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/maps")
+def test_release_file_pages_drops_only_pages_no_live_tensor_reads(tmp_path) -> None:
+    """A checkpoint tensor copied elsewhere leaves its pages resident in the file's mapping
+    while another tensor keeps the mapping; release_file_pages unmaps those (about its 8 MiB,
+    less the page it shares with the file's header) and leaves the live file tensor, and memory
+    that is not a file's, as they are."""
+    out = subprocess.run([sys.executable, "-c", _FILE_PAGES_CHILD, str(tmp_path / "w.safetensors")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    freed, dropped, b_ok, heap_ok, heap_only = (int(x) for x in out)
+    assert 8 * MiB - 8192 <= freed <= 8 * MiB, freed
+    assert dropped > 6 * MiB, dropped
+    assert b_ok == 1 and heap_ok == 1 and heap_only == 0
+
+
+_MAPPED_CHILD = """
+import sys, torch
+from flatserve import device as dev
+took = dev.map_large_allocations(torch.device("cpu")) if sys.argv[1] == "map" else None
+x = torch.ones(2**20 // 4 * 3, dtype=torch.int32)
+del x  # a freed 3 MiB mapping: glibc's dynamic threshold rises to 3 MiB
+def heap_top():
+    return int(open("/proc/self/maps").read().split("[heap]")[0].splitlines()[-1].split()[0].split("-")[1], 16)
+top = heap_top()
+ts = [torch.ones(2**20 // 4 * 3, dtype=torch.int32) for _ in range(20)]  # 60 MiB in 3 MiB pieces
+print(took, heap_top() - top, int(dev.keep_freed_heap(torch.device("cpu"))))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_map_large_allocations_keeps_them_out_of_the_heap() -> None:
+    """Start-up's large tensors get mappings of their own (glibc's dynamic threshold would have
+    put these 3 MiB pieces in the heap once one such mapping was freed); keep_freed_heap then
+    sets the serving threshold."""
+    def run(mode: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", _MAPPED_CHILD, mode], capture_output=True,
+                              text=True, check=True).stdout.split()
+
+    mapped, plain = run("map"), run("plain")
+    assert mapped[0] == "True" and int(mapped[1]) < 8 * 2**20, mapped
+    assert mapped[2] == "1"
+    assert int(plain[1]) > 48 * 2**20, plain  # without it: the 60 MiB in the heap

@@ -156,10 +156,13 @@ def warm_heap(model: torch.nn.Module, mcfg: ModelConfig, cfg: EngineConfig,
     ones do not fault it in page by page (30-50k faults, ~0.25 s of the CPU benchmark's prompt
     steps at 16 requests: the git history of docs/benchmarks/cpu.md). As few sequences as
     max_model_len allows (one chunk of a long prompt, a step the scheduler builds), one sampled
-    row each: the profile's worst-case sampler rows would hold far more than real steps use."""
+    row each: the profile's worst-case sampler rows would hold far more than real steps use.
+    Its KV pool is mapped outside the heap (on_demand), as the serving pool is: in the heap its
+    pages (36 MB for the default model's 2,048 tokens) stayed with the process as free heap the
+    steps never needed, the serving pool being a mapping of its own."""
     seqs = -(-cfg.max_num_batched_tokens // _longest(cfg, mcfg))
     out, blocks = _full_step(mcfg, cfg, seqs, 0, SamplingParams(max_tokens=1, temperature=0))
-    runner = ModelRunner(model, mcfg, blocks, cfg.block_size, dtype, device, backend)
+    runner = ModelRunner(model, mcfg, blocks, cfg.block_size, dtype, device, backend, on_demand=True)
     runner.execute(out, Sampler(mcfg.vocab_size, frozenset(), 0))
     del runner
 
@@ -177,6 +180,7 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     if cfg.attention_backend:
         dev.check_backend(cfg.attention_backend, device)
     dtype = dev.resolve_dtype(cfg.dtype, device)
+    dev.map_large_allocations(device)  # until keep_freed_heap: no holes left in the heap
     src, hf, mcfg = _model_config(cfg.model)
     # Tensor parallelism shards dense weights: a GGUF is dequantized there.
     keep = _keep_quantized(cfg, device) and tp is None
@@ -259,6 +263,8 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     draft_runner = None if draft is None else ModelRunner(
         draft[0], draft[1], budget.num_blocks, cfg.block_size, dtype, device, backend,
         on_demand=True, cpu_stack=not cfg.enforce_eager)
+    for m in models:  # the CPU decoder stack copied the layers' blocks into tensors of its own
+        _release_checkpoint_pages(m)
     from flatserve.model.quant import summary
 
     state = EngineState(full, src, device, dtype, backend, budget,
@@ -321,10 +327,20 @@ def _load_weights(src: ModelSource, hf: Any, mcfg: ModelConfig, dtype: torch.dty
     before = dev.process_rss() if device.type != "cuda" else 0
     model = build_model(src, hf, mcfg, dtype, device, shard, keep_quantized and not dummy, dummy)
     dev.release_freed_memory(device)
+    _release_checkpoint_pages(model)  # the file pages of shards copied into fused linears
     weights = _tensor_bytes(model)
     if device.type != "cuda":  # what loading really left resident (allocator slack included)
         weights = max(weights, dev.process_rss() - before)
     return model, weights
+
+
+def _release_checkpoint_pages(model: torch.nn.Module) -> None:
+    """Unmap the checkpoint file's pages that none of the model's tensors reads any more
+    (device.release_file_pages says which and why); the rest of the mapping stays."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    freed = dev.release_file_pages(t for t in tensors if t.device.type == "cpu")
+    if freed:
+        log.debug("released %.1f MiB of checkpoint pages no tensor reads", freed / 2**20)
 
 
 def _quantize(model: torch.nn.Module, device: torch.device, name: str) -> int:
