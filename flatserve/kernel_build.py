@@ -93,6 +93,16 @@ def _headers_hash() -> str:
     return hashlib.sha1(b"".join(h.read_bytes() for h in sorted(_HEADERS.glob("*.h")))).hexdigest()
 
 
+def source_flags(source: Path) -> list[str]:
+    """A source's own compiler flags: its `// flatserve-cflags: ...` lines (e.g. the decode kernel's
+    -ffp-contract=off: where GCC may fuse a multiply and an add it decides per compile, so two
+    code paths meant to round alike need not, and a verify row's bits then differed from the same
+    row decoded alone on a 16-core host's compiler)."""
+    tag = "// flatserve-cflags:"
+    return [f for line in source.read_text().splitlines() if line.startswith(tag)
+            for f in line[len(tag):].split()]
+
+
 def cache_root() -> Path:
     """TORCH_EXTENSIONS_DIR (torch's own setting, read at each call) or torch's default root."""
     from torch.utils.cpp_extension import get_default_build_root
@@ -107,7 +117,8 @@ class Build:
         import torch
 
         self.name, self.source, self.level = name, source, level
-        self.cflags = [*_COMMON, *level_flags(level), f"-DFLATSERVE_HEADERS={_headers_hash()[:12]}"]
+        self.cflags = [*_COMMON, *level_flags(level), *source_flags(source),
+                       f"-DFLATSERVE_HEADERS={_headers_hash()[:12]}"]
         h = hashlib.sha1()
         for part in (source.read_bytes(), _headers_hash().encode(), " ".join(self.cflags).encode(),
                      compiler_id().encode(), torch.__version__.encode(), sys.version.encode(),

@@ -1,6 +1,12 @@
 // Paged decode attention on the CPU: one query token per sequence, or a short run of them
 // (draft-verify), KV read in place.
 //
+// flatserve-cflags: -ffp-contract=off
+// No implicit fused multiply-adds: the FMAs are written (fmadd), so a run's rows and the same rows
+// decoded alone round alike whatever the compiler (GCC 12 here contracted both paths alike; the
+// GPU host's compiler did not: a verify row differed from its decode, tests/attention/
+// test_cpu_kernel.py, 2026-11-27).
+//
 // The torch backend gathers each sequence's blocks into a new tensor and converts them to fp32
 // before two small matmuls: at 16 concurrent Gemma-3-270M requests that was ~40% of a decode
 // step (index + copy ops), ~25x the time of reading the same bytes once. Here each (sequence,
@@ -73,6 +79,8 @@ inline vf operator*(vf a, vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_
 inline vf operator*(vf a, float s) { return a * vf{_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
 inline vf operator*(float s, vf a) { return a * s; }
 inline vf& operator+=(vf& a, vf b) { return a = a + b; }
+inline vf fmadd(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf fmadd(float s, vf b, vf c) { return fmadd(vf{_mm256_set1_ps(s), _mm256_set1_ps(s)}, b, c); }
 inline vf ld(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void st(float* p, vf v) {
   _mm256_storeu_ps(p, v.lo);
@@ -93,6 +101,15 @@ using vf = flatserve::f32x16;
 
 inline vf ld(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void st(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                              reinterpret_cast<__m512>(c)));
+#else
+  return a * b + c;  // portable C++: a multiply and an add (the file builds without contraction)
+#endif
+}
+inline vf fmadd(float s, vf b, vf c) { return fmadd(vf{} + s, b, c); }
 // Sum of the 16 lanes by a shuffle tree (4 shuffles + 4 adds). Summing v[0..15] one lane at a
 // time compiled to 16 extracts and a serial chain of adds, once per (key, query head).
 inline float hsum(vf v) {
@@ -132,7 +149,7 @@ inline void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc
     for (int i = 0; i < NK; ++i) kv[i] = cvt(k + i * rs + c);
     for (int j = 0; j < G; ++j) {
       const vf qj = ld(qf + j * d + c);
-      for (int i = 0; i < NK; ++i) s[i][j] += qj * kv[i];
+      for (int i = 0; i < NK; ++i) s[i][j] = fmadd(qj, kv[i], s[i][j]);
     }
   }
   for (int i = 0; i < NK; ++i)
@@ -251,13 +268,13 @@ void block_step(const T* q, const float* qf, const T* kb, const T* vb, int64_t r
     for (; kTwoChains && i + 2 <= t1; i += 2) {
       const vf v0 = cvt(vb + i * rs + c), v1 = cvt(vb + (i + 1) * rs + c);
       for (int j = 0; j < G; ++j) {
-        a[j] += sc[j * bs + i] * v0;
-        b[j] += sc[j * bs + i + 1] * v1;
+        a[j] = fmadd(sc[j * bs + i], v0, a[j]);
+        b[j] = fmadd(sc[j * bs + i + 1], v1, b[j]);
       }
     }
     for (; i < t1; ++i) {
       const vf v0 = cvt(vb + i * rs + c);
-      for (int j = 0; j < G; ++j) a[j] += sc[j * bs + i] * v0;
+      for (int j = 0; j < G; ++j) a[j] = fmadd(sc[j * bs + i], v0, a[j]);
     }
     for (int j = 0; j < G; ++j) st(acc + j * d + c, a[j] + b[j]);
   }
