@@ -126,11 +126,11 @@ def test_non_finite_rows_and_large_calls_take_the_head(cpu_isa: str) -> None:
     assert greedy.fallbacks == 2
 
 
-def test_only_a_plain_q8_0_head_on_a_vector_build_is_eligible(monkeypatch) -> None:
+def test_only_a_plain_q8_0_head_on_the_avx2_build_is_eligible(cpu_isa: str, monkeypatch) -> None:
     n, k = 64, 640
     head = _head(_weights(n, k))
     ext = quant.kernel()
-    assert eligible(head) == (ext is not None and ext.isa() != "portable")
+    assert eligible(head) == (ext is not None and ext.isa() == "avx2")
     q6 = quant.QuantLinear(256, {"": (n, FORMATS["q6_k"])})
     assert not eligible(q6)
     head.bias = torch.nn.Parameter(torch.zeros(n))
@@ -146,8 +146,9 @@ def test_default_model_greedy_tokens_with_and_without_the_head(default_model_pat
     llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
               greedy_int8_head=False)
     runner = llm.engine.runner
-    head = greedy_q4.for_model(runner.model, runner.cfg)
-    assert head is not None, "the default model's head is a plain Q8_0 QuantLinear"
+    served = greedy_q4.for_model(runner.model, runner.cfg)  # the AVX2 build's choice only
+    assert (served is not None) == (quant.kernel().isa() == "avx2")
+    head = Q4GreedyHead(runner.model.lm_head)  # the pass itself at this level
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for batch in ([prompts[0]], prompts):
