@@ -234,6 +234,21 @@ void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 // 0.68-1.04x (`benchmarks/dev/cpu_quant_tiles.py`, 2-core Xeon, 2026-11-27). The K formats stay on
 // the AVX2 path: unpacking their 8 sub-block scales per row costs rows16 1.0-1.4x from 5 rows on.
 inline bool rows16_format(int fmt) { return fmt == Q4_0 || fmt == Q5_0 || fmt == Q8_0 || fmt == Q4_G; }
+
+// gemm_rows16 for a run-time format.
+template <typename T>
+void rows16_any(int fmt, const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out,
+                int64_t ldo) {
+  switch (fmt) {
+    case Q4_0: return gemm_rows16<Q4_0>(a, M, w, N, row_bytes, out, ldo);
+    case Q5_0: return gemm_rows16<Q5_0>(a, M, w, N, row_bytes, out, ldo);
+    case Q8_0: return gemm_rows16<Q8_0>(a, M, w, N, row_bytes, out, ldo);
+    case Q4_K: return gemm_rows16<Q4_K>(a, M, w, N, row_bytes, out, ldo);
+    case Q5_K: return gemm_rows16<Q5_K>(a, M, w, N, row_bytes, out, ldo);
+    case Q6_K: return gemm_rows16<Q6_K>(a, M, w, N, row_bytes, out, ldo);
+    case Q4_G: return gemm_rows16<Q4_G>(a, M, w, N, row_bytes, out, ldo);
+  }
+}
 #endif
 
 // gemm's `path`: AUTO picks by row count; ROWS and TILES force one (tests, benchmarks/dev).
@@ -260,28 +275,12 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
       flatserve::qamx::act_tiles(a.q, a.d, a.s, M, K, tiles);
       return flatserve::qamx::gemm(tiles, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
     }
-    switch (fmt) {
-      case Q4_0: return gemm_rows16<Q4_0>(a, M, w, N, row_bytes, out, ldo);
-      case Q5_0: return gemm_rows16<Q5_0>(a, M, w, N, row_bytes, out, ldo);
-      case Q8_0: return gemm_rows16<Q8_0>(a, M, w, N, row_bytes, out, ldo);
-      case Q4_K: return gemm_rows16<Q4_K>(a, M, w, N, row_bytes, out, ldo);
-      case Q5_K: return gemm_rows16<Q5_K>(a, M, w, N, row_bytes, out, ldo);
-      case Q6_K: return gemm_rows16<Q6_K>(a, M, w, N, row_bytes, out, ldo);
-      case Q4_G: return gemm_rows16<Q4_G>(a, M, w, N, row_bytes, out, ldo);
-    }
+    return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
   }
 #endif
 #if defined(__AVX512BW__)
   if (rows16_format(fmt) || path == ROWS) {
-    switch (fmt) {
-      case Q4_0: return gemm_rows16<Q4_0>(a, M, w, N, row_bytes, out, ldo);
-      case Q5_0: return gemm_rows16<Q5_0>(a, M, w, N, row_bytes, out, ldo);
-      case Q8_0: return gemm_rows16<Q8_0>(a, M, w, N, row_bytes, out, ldo);
-      case Q4_K: return gemm_rows16<Q4_K>(a, M, w, N, row_bytes, out, ldo);
-      case Q5_K: return gemm_rows16<Q5_K>(a, M, w, N, row_bytes, out, ldo);
-      case Q6_K: return gemm_rows16<Q6_K>(a, M, w, N, row_bytes, out, ldo);
-      case Q4_G: return gemm_rows16<Q4_G>(a, M, w, N, row_bytes, out, ldo);
-    }
+    return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
   }
 #endif
 #if QG_AVX2
