@@ -73,7 +73,7 @@ def cpu_has_avx2_fma() -> bool:
 # needs the /proc/cpuinfo flags of the next level below it and its own.
 ISA_LEVELS = ("amx", "avx512", "avx2", "portable")
 _AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"})
-_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 _ISA_NEEDS = {"amx": _AVX512 | {"amx_tile", "amx_bf16", "amx_int8"}, "avx512": _AVX512,
               "avx2": _AVX2, "portable": frozenset()}
 

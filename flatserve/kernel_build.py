@@ -60,7 +60,7 @@ def level_flags(level: str, x86: bool | None = None) -> list[str]:
     if not x86:
         return []  # portable only: the compiler's own target (aarch64: NEON is baseline)
     avx2 = ["-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"]
-    avx512 = avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+    avx512 = avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni"]
     extra = {"portable": [], "avx2": avx2, "avx512": avx512,
              # No -mtune=sapphirerapids: with it GCC 12 compiled the decode kernel's 8-vector
              # pass to other bits than its 2-vector one (a verify row then differed from the

@@ -28,25 +28,30 @@ struct DirectRow {
   float* mn;     // [K/32]: the row's 32-value offsets (0 but for Q4_K/Q5_K), for the mins term
   float sc[16];  // the current super-block's 16-value scales (K formats)
 
+  // A 32-value block's codes (values 0-31 in order), its scale apart (the first two bytes).
+  __attribute__((always_inline)) static inline __m256i codes32(const uint8_t* blk) {
+    static_assert(L.block == 32);
+    if constexpr (fmt == Q8_0) return ld(blk + 2);
+    if constexpr (fmt == Q4_G) return _mm256_sub_epi8(nibbles_32(blk + 3), _mm256_set1_epi8(static_cast<char>(blk[2])));
+    __m256i q = nibbles_32(blk + (fmt == Q4_0 ? 2 : 6));
+    if constexpr (fmt == Q5_0) {
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)  // bit i -> byte i: one masked broadcast
+      q = _mm256_or_si256(q, _mm256_maskz_set1_epi8(static_cast<__mmask32>(qh), 0x10));
+#else
+      q = _mm256_or_si256(q, bits_to_0x10(qh));
+#endif
+    }
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(fmt == Q4_0 ? 8 : 16));
+  }
+
   // Block b (32 values) -> its codes (values 0-31 in order) and the scales of its two halves.
   __attribute__((always_inline)) inline void get(int64_t b, __m256i& wv, float& s0, float& s1) {
     if constexpr (L.block == 32) {
       const uint8_t* blk = row + b * L.type_size;
       s0 = s1 = h2f(blk);
-      mn[b] = 0.f;
-      if constexpr (fmt == Q8_0) { wv = ld(blk + 2); return; }
-      if constexpr (fmt == Q4_G) { wv = _mm256_sub_epi8(nibbles_32(blk + 3), _mm256_set1_epi8(static_cast<char>(blk[2]))); return; }
-      __m256i q = nibbles_32(blk + (fmt == Q4_0 ? 2 : 6));
-      if constexpr (fmt == Q5_0) {
-        uint32_t qh;
-        std::memcpy(&qh, blk + 2, 4);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)  // bit i -> byte i: one masked broadcast
-        q = _mm256_or_si256(q, _mm256_maskz_set1_epi8(static_cast<__mmask32>(qh), 0x10));
-#else
-        q = _mm256_or_si256(q, bits_to_0x10(qh));
-#endif
-      }
-      wv = _mm256_sub_epi8(q, _mm256_set1_epi8(fmt == Q4_0 ? 8 : 16));
+      wv = codes32(blk);
       return;
     } else {
     const int64_t c = b & 7;
@@ -148,6 +153,88 @@ inline void rows16(DirectRow<fmt> (&dr)[16], const int16_t* const xn[MS], const 
     }
   }
 }
+
+#if defined(__AVX512VNNI__)
+// The 32-value formats (Q4_0, Q5_0, Q8_0, Q4_G) in rows16's bits with VNNI byte dots: each int16
+// activation code x (|x| <= 32639, quantize_act) is split as x = 256 xh + xl, both signed bytes,
+// and a block's 64 bytes hold [xl of values 0-31 | xh of values 0-31] (XV below). The weight
+// codes go in as unsigned bytes, in the same places, twice: [0-15, 16-31, 0-15, 16-31]. One
+// vpdpbusd per row and block then leaves xl . q in lanes 0-7 and xh . q in lanes 8-15, sum16
+// adds each half, and S = h0 + 256 h1 - off * sum(x): the block's exact integer dot, as the
+// tiles' and rows16's (so the same bits). Against rows16 per 16 rows and block: no sign
+// extension (a port-5 shuffle per row), the scales by one gather instead of 16 scalar loads,
+// conversions and stores, the nibbles unpacked from a broadcast load by shifts and masks.
+// |S| parts: 256 * 32 * 255 * 128 + 128 * 32 * 32639 < 2^31.
+template <int fmt>
+__attribute__((always_inline)) inline __m512i vnni_codes(const uint8_t* blk) {
+  if constexpr (fmt == Q8_0) {  // q + 128: unsigned, the offset taken back as 128 * sum(x)
+    const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)));
+    return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const uint8_t* qs = blk + (fmt == Q4_0 ? 2 : fmt == Q5_0 ? 6 : 3);
+    const __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    // chunks 1 and 3 take the high nibbles (values 16-31)
+    __m512i v = _mm512_and_si512(_mm512_srlv_epi64(q, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)),
+                                 _mm512_set1_epi8(0x0F));
+    if constexpr (fmt == Q5_0) {  // fifth bits: bit i of qh -> value i, in both copies
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      v = _mm512_mask_add_epi8(v, _cvtu64_mask64(qh | (static_cast<uint64_t>(qh) << 32)), v,
+                               _mm512_set1_epi8(0x10));
+    }
+    return v;
+  }
+}
+
+// Activation row codes (ACT_ORDER, [K]) -> XV [nb][64] bytes and the blocks' code sums [nb].
+inline void vnni_acts(const int16_t* q, int64_t nb, int8_t* xv, int32_t* xsum) {
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t sum = 0;
+    for (int pos = 0; pos < 32; ++pos) {
+      const int32_t x = q[32 * b + pos], l = act_value(pos);
+      const int32_t lo = static_cast<int8_t>(x & 0xFF);
+      xv[64 * b + l] = static_cast<int8_t>(lo);
+      xv[64 * b + 32 + l] = static_cast<int8_t>((x - lo) >> 8);
+      sum += x;
+    }
+    xsum[b] = sum;
+  }
+}
+
+// MS (1-4) activation rows against 16 weight rows (rows[r]: row r's first block) -> acc[t] lane r.
+template <int fmt, int MS>
+inline void rows16_b32(const uint8_t* const rows[16], const int8_t* const xv[MS], const int32_t* const xsum[MS],
+                       const float* const xd[MS], int64_t nb, __m512 acc[MS]) {
+  constexpr int64_t ts = known_layout(fmt).type_size;
+  constexpr int off = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : fmt == Q8_0 ? 128 : 0;  // Q4_G: its zero
+  alignas(64) int32_t o[16];
+  for (int r = 0; r < 16; ++r) o[r] = static_cast<int32_t>(rows[r] - rows[0]);
+  const __m512i offs = _mm512_load_si512(o);
+  for (int t = 0; t < MS; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* base = rows[0] + b * ts;
+    // each block opens with its fp16 scale (Q4_G: then its zero point byte)
+    const __m512i g = _mm512_i32gather_epi32(offs, base, 1);
+    const __m512 sc = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    __m512i wv[16];
+    for (int r = 0; r < 16; ++r) wv[r] = vnni_codes<fmt>(base + o[r]);
+    for (int t = 0; t < MS; ++t) {
+      const __m512i x = _mm512_loadu_si512(xv[t] + 64 * b);
+      __m512i p[16];
+      for (int r = 0; r < 16; ++r) p[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], x);
+      __m512i h0, h1;
+      sum16(p, h0, h1);
+      __m512i S = _mm512_add_epi32(h0, _mm512_slli_epi32(h1, 8));
+      if constexpr (fmt == Q4_G)
+        S = _mm512_sub_epi32(S, _mm512_mullo_epi32(_mm512_and_si512(_mm512_srli_epi32(g, 16), _mm512_set1_epi32(0xFF)),
+                                                   _mm512_set1_epi32(xsum[t][b])));
+      else
+        S = _mm512_sub_epi32(S, _mm512_set1_epi32(off * xsum[t][b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S), sc), _mm512_set1_ps(xd[t][b]), acc[t]);
+    }
+  }
+}
+#endif
 
 // rows16's (and the tiles') result for one activation row (codes xq [K] in ACT_ORDER, scales xd,
 // xs [nb]) and one weight row, in their order of float operations (the integer block sums are

@@ -188,12 +188,54 @@ void gemm_direct(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+// gemm_rows16 for the 32-value formats: rows16_b32 (csrc/quant_rows.h), the same bits by VNNI
+// byte dots. One row of the default model's q5_0 4096 x 640 gate_up: 0.xx of rows16's time.
+template <int fmt, typename T>
+void gemm_b32(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
+  const int64_t nb = a.K / 32;
+  std::vector<int8_t> xv(M * nb * 64);
+  std::vector<int32_t> xsum(M * nb);
+  for (int64_t m = 0; m < M; ++m) vnni_acts(a.q + m * a.K, nb, xv.data() + m * nb * 64, xsum.data() + m * nb);
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
+    alignas(64) float res[16];
+    __m512 acc[4];
+    const uint8_t* rows[16];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
+      for (int64_t r = 0; r < 16; ++r) rows[r] = w + (n0 + std::min(r, nn - 1)) * row_bytes;  // past N: read, not stored
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t ms = std::min<int64_t>(4, M - m0);
+        const int8_t* xp[4];
+        const int32_t* sp[4];
+        const float* dp[4];
+        for (int64_t t = 0; t < 4; ++t) {
+          const int64_t m = m0 + std::min(t, ms - 1);
+          xp[t] = xv.data() + m * nb * 64, sp[t] = xsum.data() + m * nb, dp[t] = a.d + m * nb;
+        }
+        if (ms == 1) rows16_b32<fmt, 1>(rows, xp, sp, dp, nb, acc);
+        else if (ms == 2) rows16_b32<fmt, 2>(rows, xp, sp, dp, nb, acc);
+        else if (ms == 3) rows16_b32<fmt, 3>(rows, xp, sp, dp, nb, acc);
+        else rows16_b32<fmt, 4>(rows, xp, sp, dp, nb, acc);
+        for (int64_t t = 0; t < ms; ++t) {
+          _mm512_store_ps(res, acc[t]);
+          for (int64_t r = 0; r < nn; ++r) store(out + (m0 + t) * ldo + n0 + r, res[r]);
+        }
+      }
+    }
+  });
+}
+#endif
+
 #if defined(__AVX512BW__)
 // 16 weight rows in AVX-512 lanes (csrc/quant_rows.h rows16), four activation rows at a time: at
 // the amx level the tiles' bits; at the avx512 level the path of the 32-value block formats.
 template <int fmt, typename T>
 void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
   const int64_t K = a.K, nb = K / 32;
+#if defined(__AVX512VNNI__)
+  if constexpr (known_layout(fmt).block == 32) return gemm_b32<fmt>(a, M, w, N, row_bytes, out, ldo);
+#endif
   std::vector<int16_t> xn(M * K);  // codes in value order: ACT_ORDER is its own inverse
   for (int64_t i = 0; i < M * nb; ++i)
     for (int pos = 0; pos < 32; ++pos) xn[32 * i + act_value(pos)] = a.q[32 * i + pos];
@@ -335,7 +377,7 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
 inline void quantize_block(const float* v, int16_t* q, float* d, float* s) {
   float amax = 0.f;
   for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
-  const float dd = amax / 32767.f, id = amax > 0.f ? 32767.f / amax : 0.f;
+  const float dd = amax / 32639.f, id = amax > 0.f ? 32639.f / amax : 0.f;
   int32_t sum = 0;
   for (int pos = 0; pos < 32; ++pos) {
     const int32_t c = static_cast<int32_t>(std::nearbyint(v[act_value(pos)] * id));
