@@ -12,8 +12,14 @@ from tests.conftest import build_checkpoint
 
 # A fresh interpreter: the test process itself has imported torch._dynamo (transformers, other
 # tests). Greedy and sampled rows both run, so the sampler's paths are covered too.
+# torchvision is hidden from the child: where it is installed (the GPU hosts' image), transformers'
+# LlamaConfig imports it (5.x: utils/type_validators -> video_utils -> image_utils), and its ops
+# import torch._dynamo and with it triton before the engine runs a line of its own. That is the
+# environment's footprint, not the engine's; the CPU machines the RSS figures come from have no
+# torchvision, so there the child runs as before.
 CHILD = r"""
 import json, sys
+sys.modules["torchvision"] = None  # find_spec -> None: transformers sees no torchvision
 from flatserve import LLM, SamplingParams
 llm = LLM(sys.argv[1], device="cpu", max_num_seqs=2, max_model_len=256,
           max_num_batched_tokens=64, dequantize=sys.argv[2] == "1")
