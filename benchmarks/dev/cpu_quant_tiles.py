@@ -5,7 +5,7 @@
 
     .venv/bin/python benchmarks/dev/cpu_quant_tiles.py [--fmt q8_0] [--k 640] [--n 262144]
 
-Needs an AMX CPU. quant_gemm_cpu.cpp's TILE_ROWS and rows16_format came from this script.
+Needs an AMX CPU. quant_gemm_cpu.cpp's tile_rows came from this script.
 """
 from __future__ import annotations
 

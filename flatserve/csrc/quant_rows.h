@@ -2,9 +2,10 @@
 // stored blocks read straight into registers (DirectRow), no unpack buffer. Two users:
 //
 // - the AVX2 vector path (1-4 activation rows; the avx2 and avx512 levels), in that file;
-// - at the amx level, `rows16` below: 16 weight rows at a time in AVX-512 lanes, computing the
-//   AMX tiles' bits (csrc/quant_amx.h) for any format, so a call takes the tiles or this path
-//   by row count alone and a row's result never depends on its call.
+// - at the amx and avx512 levels, `rows16` below (rows16_b32, rows16_k): 16 weight rows at a time
+//   in AVX-512 lanes by VNNI byte dots, computing the AMX tiles' bits (csrc/quant_amx.h) for any
+//   format, so a call takes the tiles or this path by row count alone and a row's result never
+//   depends on its call.
 #pragma once
 
 #include "quant_blocks.h"
@@ -95,81 +96,67 @@ struct DirectRow {
   }
 };
 
-#if defined(__AVX512BW__)
-// Sixteen int32 vectors -> lane r: the sum of v[r]'s lanes 0-7 (h0) and 8-15 (h1), in 45
-// shuffles and adds (pairs interleaved per 32 bits, then 64, then 128-bit chunks). With v[r]
-// the vpmaddwd of a block's 32 codes in value order, h0 and h1 are its two 16-value halves.
-inline void sum16(const __m512i v[16], __m512i& h0, __m512i& h1) {
+#if defined(__AVX512VNNI__)
+// Every format in rows16's bits by VNNI byte dots (the avx512 and amx levels). Each int16
+// activation code x (|x| <= 32639, quantize_act) is split as x = 256 xh + xl, both signed bytes,
+// and a block's 64 bytes hold [xl of values 0-31 | xh of values 0-31] (vnni_acts). The weight
+// codes go in as unsigned bytes in the same places, twice: [values 0-31 | values 0-31], so a
+// 32-byte format (Q8_0, the K formats) is one broadcast load. One vpdpbusd per row and block
+// leaves xl . q in lanes 0-7 and xh . q in lanes 8-15 (4 lanes per 16 values); sum16v weighs the
+// xh lanes by 256 and adds them up per row, per block or per 16-value half. S = that - off *
+// sum(x) is the block's exact integer dot, as the tiles' and rows16's, so the float operations
+// after it (the same ones, in the same order) give the same bits. Against rows16 per 16 rows and
+// block: no sign extension (a port-5 shuffle per row), the 16 rows' scales by gathers instead of
+// 16 scalar loads, conversions and stores, nibbles unpacked by shifts and masks in place.
+// |S| <= 32 * 255 * (127 * 256 + 128) < 2^28 before the offset (<= 128 * 32 * 32639 < 2^28).
+
+// Sixteen vpdpbusd results -> h0, h1 lane r: row r's xl + 256 xh sums, of the whole block in h0
+// (h1 = 0 contribution folded in: h0 + h1 is the block) or, with halves, of values 0-15 in h0 and
+// 16-31 in h1. sum16's tree (45 ops) plus four variable shifts.
+template <bool halves>
+inline void sum16v(const __m512i v[16], __m512i& h0, __m512i& h1) {
   __m512i a[8], c[4];
-  for (int i = 0; i < 8; ++i)  // per 128 bits: rows 2i, 2i+1, 2i, 2i+1
+  for (int i = 0; i < 8; ++i)
     a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-  for (int k = 0; k < 4; ++k)  // per 128 bits: rows 4k .. 4k+3
-    c[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_epi64(a[2 * k], a[2 * k + 1]));
-  // chunk j of c[k] covers lanes 4j..4j+3 of rows 4k..4k+3: halves are chunks 0+1 and 2+3
-  const __m512i z01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88), _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
-  const __m512i z23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88), _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
+  const __m512i by256 = _mm512_set_epi32(8, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0);  // chunks 2, 3: xh
+  for (int k = 0; k < 4; ++k)  // chunk j of c[k]: rows 4k..4k+3's sums over v's chunk j
+    c[k] = _mm512_sllv_epi32(
+        _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_epi64(a[2 * k], a[2 * k + 1])),
+        by256);
+  // chunks: 0 = xl . values 0-15, 1 = xl . 16-31, 2 = xh . 0-15, 3 = xh . 16-31
+  constexpr int lo = halves ? 0x44 : 0x88, hi = halves ? 0xEE : 0xDD;  // halves: 0 + 2, 1 + 3
+  const __m512i z01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], lo), _mm512_shuffle_i32x4(c[0], c[1], hi));
+  const __m512i z23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], lo), _mm512_shuffle_i32x4(c[2], c[3], hi));
   h0 = _mm512_shuffle_i32x4(z01, z23, 0x88);
   h1 = _mm512_shuffle_i32x4(z01, z23, 0xDD);
 }
 
-// MS (1-4) activation rows against 16 weight rows: acc[t] lane r = out[row t, weight row r].
-// xn[t]: row t's codes in value order (not ACT_ORDER), xd / xs its scales and scaled sums per
-// block. Per result, in this order, as the tiles' group_dot (quant_amx.h):
-//   acc = fma(float(S) * w_scale, x_scale, acc)   per block (Q6_K: per half block)
-//   acc = fma(-w_min, x_sum, acc)                 K formats, after each block
-// S, the block's integer dot, is exact in any order of summation; the rest is the same operations
-// on the same operands, so the same bits. Per 16 rows and block: 16 widenings and vpmaddwd per
-// activation row, one 45-op reduction, 3 scaling ops, where the AVX2 path spends ~12 ops per row.
-template <int fmt, int MS>
-inline void rows16(DirectRow<fmt> (&dr)[16], const int16_t* const xn[MS], const float* const xd[MS],
-                   const float* const xs[MS], int64_t nb, __m512 acc[MS]) {
-  constexpr bool halves = fmt == Q6_K, mins = known_layout(fmt).mins;
-  alignas(64) float s0[16], s1[16], mn[16];
-  for (int t = 0; t < MS; ++t) acc[t] = _mm512_setzero_ps();
+// Activation row codes (ACT_ORDER, [K]) -> their vnni bytes [nb][64] and the code sums of each
+// block's two 16-value halves [nb][2].
+inline void vnni_acts(const int16_t* q, int64_t nb, int8_t* xv, int32_t* xsum) {
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i wv[16];
-    for (int r = 0; r < 16; ++r) {
-      __m256i c;
-      dr[r].get(b, c, s0[r], s1[r]);
-      wv[r] = _mm512_cvtepi8_epi16(c);
-      if constexpr (mins) mn[r] = dr[r].mn[b];
+    int32_t sum[2] = {0, 0};
+    for (int pos = 0; pos < 32; ++pos) {
+      const int32_t x = q[32 * b + pos], l = act_value(pos);
+      const int32_t lo = static_cast<int8_t>(x & 0xFF);
+      xv[64 * b + l] = static_cast<int8_t>(lo);
+      xv[64 * b + 32 + l] = static_cast<int8_t>((x - lo) >> 8);
+      sum[l / 16] += x;
     }
-    const __m512 sc0 = _mm512_load_ps(s0), sc1 = _mm512_load_ps(s1);
-    for (int t = 0; t < MS; ++t) {
-      const __m512i x = _mm512_loadu_si512(xn[t] + 32 * b);
-      __m512i p[16];
-      for (int r = 0; r < 16; ++r) p[r] = _mm512_madd_epi16(wv[r], x);
-      __m512i h0, h1;
-      sum16(p, h0, h1);
-      const __m512 d = _mm512_set1_ps(xd[t][b]);
-      if constexpr (halves) {
-        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h0), sc0), d, acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h1), sc1), d, acc[t]);
-      } else {
-        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)), sc0), d, acc[t]);
-      }
-      if constexpr (mins)
-        acc[t] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_load_ps(mn)), _mm512_set1_ps(xs[t][b]), acc[t]);
-    }
+    xsum[2 * b] = sum[0], xsum[2 * b + 1] = sum[1];
   }
 }
 
-#if defined(__AVX512VNNI__)
-// The 32-value formats (Q4_0, Q5_0, Q8_0, Q4_G) in rows16's bits with VNNI byte dots: each int16
-// activation code x (|x| <= 32639, quantize_act) is split as x = 256 xh + xl, both signed bytes,
-// and a block's 64 bytes hold [xl of values 0-31 | xh of values 0-31] (XV below). The weight
-// codes go in as unsigned bytes, in the same places, twice: [0-15, 16-31, 0-15, 16-31]. One
-// vpdpbusd per row and block then leaves xl . q in lanes 0-7 and xh . q in lanes 8-15, sum16
-// adds each half, and S = h0 + 256 h1 - off * sum(x): the block's exact integer dot, as the
-// tiles' and rows16's (so the same bits). Against rows16 per 16 rows and block: no sign
-// extension (a port-5 shuffle per row), the scales by one gather instead of 16 scalar loads,
-// conversions and stores, the nibbles unpacked from a broadcast load by shifts and masks.
-// |S| parts: 256 * 32 * 255 * 128 + 128 * 32 * 32639 < 2^31.
+inline __m512i bcast32(const uint8_t* p) {  // 32 bytes, twice: one load
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The 32-value formats' block at blk -> its codes as unsigned bytes [0-31 | 0-31]; the offset
+// S takes back is vnni_off (Q4_G: the block's zero point).
 template <int fmt>
-__attribute__((always_inline)) inline __m512i vnni_codes(const uint8_t* blk) {
-  if constexpr (fmt == Q8_0) {  // q + 128: unsigned, the offset taken back as 128 * sum(x)
-    const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)));
-    return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
+__attribute__((always_inline)) inline __m512i vnni_b32(const uint8_t* blk) {
+  if constexpr (fmt == Q8_0) {  // q + 128
+    return _mm512_xor_si512(bcast32(blk + 2), _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
     const uint8_t* qs = blk + (fmt == Q4_0 ? 2 : fmt == Q5_0 ? 6 : 3);
     const __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
@@ -185,57 +172,136 @@ __attribute__((always_inline)) inline __m512i vnni_codes(const uint8_t* blk) {
     return v;
   }
 }
+template <int fmt>
+constexpr int vnni_off = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : fmt == Q8_0 ? 128 : fmt == Q6_K ? 32 : 0;
 
-// Activation row codes (ACT_ORDER, [K]) -> XV [nb][64] bytes and the blocks' code sums [nb].
-inline void vnni_acts(const int16_t* q, int64_t nb, int8_t* xv, int32_t* xsum) {
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t sum = 0;
-    for (int pos = 0; pos < 32; ++pos) {
-      const int32_t x = q[32 * b + pos], l = act_value(pos);
-      const int32_t lo = static_cast<int8_t>(x & 0xFF);
-      xv[64 * b + l] = static_cast<int8_t>(lo);
-      xv[64 * b + 32 + l] = static_cast<int8_t>((x - lo) >> 8);
-      sum += x;
-    }
-    xsum[b] = sum;
-  }
-}
-
-// MS (1-4) activation rows against 16 weight rows (rows[r]: row r's first block) -> acc[t] lane r.
+// MS (1-4) activation rows against 16 weight rows of a 32-value format (rows[r]: row r's
+// first block) -> acc[t] lane r. xv, xsum: vnni_acts; xd: the rows' block scales.
 template <int fmt, int MS>
 inline void rows16_b32(const uint8_t* const rows[16], const int8_t* const xv[MS], const int32_t* const xsum[MS],
                        const float* const xd[MS], int64_t nb, __m512 acc[MS]) {
   constexpr int64_t ts = known_layout(fmt).type_size;
-  constexpr int off = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : fmt == Q8_0 ? 128 : 0;  // Q4_G: its zero
   alignas(64) int32_t o[16];
   for (int r = 0; r < 16; ++r) o[r] = static_cast<int32_t>(rows[r] - rows[0]);
   const __m512i offs = _mm512_load_si512(o);
   for (int t = 0; t < MS; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* base = rows[0] + b * ts;
-    // each block opens with its fp16 scale (Q4_G: then its zero point byte)
-    const __m512i g = _mm512_i32gather_epi32(offs, base, 1);
+    const __m512i g = _mm512_i32gather_epi32(offs, base, 1);  // fp16 scale (Q4_G: then its zero)
     const __m512 sc = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
     __m512i wv[16];
-    for (int r = 0; r < 16; ++r) wv[r] = vnni_codes<fmt>(base + o[r]);
+    for (int r = 0; r < 16; ++r) wv[r] = vnni_b32<fmt>(base + o[r]);
     for (int t = 0; t < MS; ++t) {
       const __m512i x = _mm512_loadu_si512(xv[t] + 64 * b);
       __m512i p[16];
       for (int r = 0; r < 16; ++r) p[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], x);
       __m512i h0, h1;
-      sum16(p, h0, h1);
-      __m512i S = _mm512_add_epi32(h0, _mm512_slli_epi32(h1, 8));
+      sum16v<false>(p, h0, h1);
+      const int32_t sx = xsum[t][2 * b] + xsum[t][2 * b + 1];
+      __m512i S = _mm512_add_epi32(h0, h1);
       if constexpr (fmt == Q4_G)
         S = _mm512_sub_epi32(S, _mm512_mullo_epi32(_mm512_and_si512(_mm512_srli_epi32(g, 16), _mm512_set1_epi32(0xFF)),
-                                                   _mm512_set1_epi32(xsum[t][b])));
+                                                   _mm512_set1_epi32(sx)));
       else
-        S = _mm512_sub_epi32(S, _mm512_set1_epi32(off * xsum[t][b]));
+        S = _mm512_sub_epi32(S, _mm512_set1_epi32(vnni_off<fmt> * sx));
       acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S), sc), _mm512_set1_ps(xd[t][b]), acc[t]);
+    }
+  }
+}
+
+// A K format's sub-block c (0-7) of the super-block at sb -> its codes [0-31 | 0-31], unsigned.
+template <int fmt>
+__attribute__((always_inline)) inline __m512i vnni_k(const uint8_t* sb, int c) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if constexpr (fmt == Q6_K) {
+    const int half = c / 4, p = c % 4;
+    const __m512i l = bcast32(sb + 64 * half + 32 * (p % 2)), h = bcast32(sb + 128 + 32 * half);
+    const __m512i lo = _mm512_and_si512(p < 2 ? l : _mm512_srli_epi16(l, 4), m4);
+    const __m512i hi = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * p)), _mm512_set1_epi8(3));
+    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+  } else {
+    const __m512i q = bcast32(sb + (fmt == Q4_K ? 16 : 48) + 32 * (c / 2));
+    __m512i v = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(q, 4) : q, m4);
+    if constexpr (fmt == Q5_K) {
+      const __m512i bit = _mm512_and_si512(_mm512_srl_epi16(bcast32(sb + 16), _mm_cvtsi32_si128(c)), _mm512_set1_epi8(1));
+      v = _mm512_or_si512(v, _mm512_slli_epi16(bit, 4));
+    }
+    return v;
+  }
+}
+
+// The 16 rows' scales of one super-block (gathered at sb + offs), as DirectRow computes them:
+// Q4_K / Q5_K sc[c] = d * s_c, mn[c] = dmin * m_c (8 each); Q6_K sc[i] = d * scales[i] (16).
+template <int fmt>
+inline void vnni_k_scales(const uint8_t* sb, __m512i offs, __m512 sc[16], __m512 mn[8]) {
+  const __m512i m8 = _mm512_set1_epi32(0xFF);
+  if constexpr (fmt == Q6_K) {
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(offs, sb + 208, 1)));
+    for (int w = 0; w < 4; ++w) {
+      const __m512i g = _mm512_i32gather_epi32(offs, sb + 192 + 4 * w, 1);
+      for (int j = 0; j < 4; ++j)  // byte j, sign-extended
+        sc[4 * w + j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * j), 24)));
+    }
+  } else {
+    const __m512i g = _mm512_i32gather_epi32(offs, sb, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+    const __m512i s0 = _mm512_i32gather_epi32(offs, sb + 4, 1), s1 = _mm512_i32gather_epi32(offs, sb + 8, 1),
+                  s2 = _mm512_i32gather_epi32(offs, sb + 12, 1);
+    const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15);
+    for (int j = 0; j < 4; ++j) {  // k_scales, 16 rows at once
+      const __m512i b0 = _mm512_and_si512(_mm512_srli_epi32(s0, 8 * j), m8),
+                    b1 = _mm512_and_si512(_mm512_srli_epi32(s1, 8 * j), m8),
+                    b2 = _mm512_and_si512(_mm512_srli_epi32(s2, 8 * j), m8);
+      const __m512i sj = _mm512_and_si512(b0, m6), mj = _mm512_and_si512(b1, m6);
+      const __m512i sj4 = _mm512_or_si512(_mm512_and_si512(b2, m4), _mm512_slli_epi32(_mm512_srli_epi32(b0, 6), 4));
+      const __m512i mj4 = _mm512_or_si512(_mm512_srli_epi32(b2, 4), _mm512_slli_epi32(_mm512_srli_epi32(b1, 6), 4));
+      sc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sj)), sc[j + 4] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sj4));
+      mn[j] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mj)), mn[j + 4] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mj4));
+    }
+  }
+}
+
+// MS (1-4) activation rows against 16 weight rows of a K format -> acc[t] lane r; xs: the
+// rows' scaled block sums (the mins term).
+template <int fmt, int MS>
+inline void rows16_k(const uint8_t* const rows[16], const int8_t* const xv[MS], const int32_t* const xsum[MS],
+                     const float* const xd[MS], const float* const xs[MS], int64_t nb, __m512 acc[MS]) {
+  constexpr int64_t ts = known_layout(fmt).type_size;
+  constexpr bool halves = fmt == Q6_K;
+  alignas(64) int32_t o[16];
+  for (int r = 0; r < 16; ++r) o[r] = static_cast<int32_t>(rows[r] - rows[0]);
+  const __m512i offs = _mm512_load_si512(o);
+  for (int t = 0; t < MS; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 sc[16], mn[8];
+  for (int64_t b = 0; b < nb; ++b) {
+    const int c = static_cast<int>(b & 7);
+    const uint8_t* sb = rows[0] + (b >> 3) * ts;
+    if (c == 0) vnni_k_scales<fmt>(sb, offs, sc, mn);
+    __m512i wv[16];
+    for (int r = 0; r < 16; ++r) wv[r] = vnni_k<fmt>(sb + o[r], c);
+    for (int t = 0; t < MS; ++t) {
+      const __m512i x = _mm512_loadu_si512(xv[t] + 64 * b);
+      __m512i p[16];
+      for (int r = 0; r < 16; ++r) p[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], x);
+      __m512i h0, h1;
+      sum16v<halves>(p, h0, h1);
+      const __m512 d = _mm512_set1_ps(xd[t][b]);
+      if constexpr (halves) {
+        const __m512i S0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(32 * xsum[t][2 * b]));
+        const __m512i S1 = _mm512_sub_epi32(h1, _mm512_set1_epi32(32 * xsum[t][2 * b + 1]));
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S0), sc[2 * c]), d, acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S1), sc[2 * c + 1]), d, acc[t]);
+      } else {
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0, h1)), sc[c]), d, acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), mn[c]), _mm512_set1_ps(xs[t][b]), acc[t]);
+      }
     }
   }
 }
 #endif
 
+#if defined(__AVX512BW__)
 // rows16's (and the tiles') result for one activation row (codes xq [K] in ACT_ORDER, scales xd,
 // xs [nb]) and one weight row, in their order of float operations (the integer block sums are
 // exact in any order): the greedy head's rescoring, which must give the bits the full head's GEMM

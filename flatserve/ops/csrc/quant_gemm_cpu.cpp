@@ -18,15 +18,16 @@
 // call, so a 16-row decode step reads each weight block from memory once. AVX2 (+FMA, F16C):
 // unpack and dot per 32 values in 256-bit registers, the weight codes sign-extended to int16 and
 // multiplied by vpmaddwd. Without AVX2 the same arithmetic runs in plain C++. At the amx level
-// every format takes AMX-INT8 tiles or their bits in AVX-512 lanes instead (TILE_ROWS below).
+// every format takes AMX-INT8 tiles or their bits in AVX-512 lanes instead (tile_rows below).
 //
 // Why int16 activation codes (llama.cpp uses int8): int8 codes (amax / 127 per step) cost the
 // default GGUF 4 points of teacher-forced top-1 agreement (95.9% against its fp32 weights,
-// tests/model/test_quant_fidelity.py); int16 codes (amax / 32767) err 258x less, as little as
+// tests/model/test_quant_fidelity.py); int16 codes (amax / 32639) err 256x less, as little as
 // the two int8 passes (x, then what x's codes missed) this kernel ran before, for half their
 // multiplies: one vpmaddwd per 16 products, where two passes took two vpmaddubsw + two vpmaddwd
-// per 32. A product is at most 128 x 32767, so four of them (one int32 lane) stay below 2^24:
-// exact in fp32.
+// per 32. A product is at most 128 x 32639, so four of them (one int32 lane) stay below 2^24:
+// exact in fp32. 32639 = 127 * 256 + 127, so a code splits into two signed bytes (the VNNI
+// path of the avx512 and amx levels, csrc/quant_rows.h).
 //
 // A block's 32 codes are stored in the order 0-7, 16-23, 8-15, 24-31 (ACT_ORDER): vpmaddwd on
 // the weights' unpacklo/unpackhi halves then leaves values 0-15 (one 16-value scale) in lanes
@@ -189,14 +190,15 @@ void gemm_direct(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 #endif
 
 #if defined(__AVX512VNNI__)
-// gemm_rows16 for the 32-value formats: rows16_b32 (csrc/quant_rows.h), the same bits by VNNI
-// byte dots. One row of the default model's q5_0 4096 x 640 gate_up: 0.xx of rows16's time.
+// 16 weight rows at a time, four activation rows at a time, by VNNI byte dots (csrc/quant_rows.h
+// rows16_b32 / rows16_k): at the amx level the tiles' bits; at the avx512 level (AMD Zen 4) the
+// path of the 32-value block formats.
 template <int fmt, typename T>
-void gemm_b32(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
+void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
   const int64_t nb = a.K / 32;
   std::vector<int8_t> xv(M * nb * 64);
-  std::vector<int32_t> xsum(M * nb);
-  for (int64_t m = 0; m < M; ++m) vnni_acts(a.q + m * a.K, nb, xv.data() + m * nb * 64, xsum.data() + m * nb);
+  std::vector<int32_t> xsum(M * nb * 2);
+  for (int64_t m = 0; m < M; ++m) vnni_acts(a.q + m * a.K, nb, xv.data() + m * nb * 64, xsum.data() + m * nb * 2);
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
     alignas(64) float res[16];
     __m512 acc[4];
@@ -208,15 +210,22 @@ void gemm_b32(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row
         const int64_t ms = std::min<int64_t>(4, M - m0);
         const int8_t* xp[4];
         const int32_t* sp[4];
-        const float* dp[4];
+        const float *dp[4], *zp[4];
         for (int64_t t = 0; t < 4; ++t) {
           const int64_t m = m0 + std::min(t, ms - 1);
-          xp[t] = xv.data() + m * nb * 64, sp[t] = xsum.data() + m * nb, dp[t] = a.d + m * nb;
+          xp[t] = xv.data() + m * nb * 64, sp[t] = xsum.data() + m * nb * 2, dp[t] = a.d + m * nb, zp[t] = a.s + m * nb;
         }
-        if (ms == 1) rows16_b32<fmt, 1>(rows, xp, sp, dp, nb, acc);
-        else if (ms == 2) rows16_b32<fmt, 2>(rows, xp, sp, dp, nb, acc);
-        else if (ms == 3) rows16_b32<fmt, 3>(rows, xp, sp, dp, nb, acc);
-        else rows16_b32<fmt, 4>(rows, xp, sp, dp, nb, acc);
+        if constexpr (known_layout(fmt).block == 32) {
+          if (ms == 1) rows16_b32<fmt, 1>(rows, xp, sp, dp, nb, acc);
+          else if (ms == 2) rows16_b32<fmt, 2>(rows, xp, sp, dp, nb, acc);
+          else if (ms == 3) rows16_b32<fmt, 3>(rows, xp, sp, dp, nb, acc);
+          else rows16_b32<fmt, 4>(rows, xp, sp, dp, nb, acc);
+        } else {
+          if (ms == 1) rows16_k<fmt, 1>(rows, xp, sp, dp, zp, nb, acc);
+          else if (ms == 2) rows16_k<fmt, 2>(rows, xp, sp, dp, zp, nb, acc);
+          else if (ms == 3) rows16_k<fmt, 3>(rows, xp, sp, dp, zp, nb, acc);
+          else rows16_k<fmt, 4>(rows, xp, sp, dp, zp, nb, acc);
+        }
         for (int64_t t = 0; t < ms; ++t) {
           _mm512_store_ps(res, acc[t]);
           for (int64_t r = 0; r < nn; ++r) store(out + (m0 + t) * ldo + n0 + r, res[r]);
@@ -227,56 +236,7 @@ void gemm_b32(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row
 }
 #endif
 
-#if defined(__AVX512BW__)
-// 16 weight rows in AVX-512 lanes (csrc/quant_rows.h rows16), four activation rows at a time: at
-// the amx level the tiles' bits; at the avx512 level the path of the 32-value block formats.
-template <int fmt, typename T>
-void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
-  const int64_t K = a.K, nb = K / 32;
 #if defined(__AVX512VNNI__)
-  if constexpr (known_layout(fmt).block == 32) return gemm_b32<fmt>(a, M, w, N, row_bytes, out, ldo);
-#endif
-  std::vector<int16_t> xn(M * K);  // codes in value order: ACT_ORDER is its own inverse
-  for (int64_t i = 0; i < M * nb; ++i)
-    for (int pos = 0; pos < 32; ++pos) xn[32 * i + act_value(pos)] = a.q[32 * i + pos];
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> mn(16 * nb);
-    DirectRow<fmt> dr[16];
-    alignas(64) float res[16];
-    __m512 acc[4];
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
-      for (int64_t r = 0; r < 16; ++r)  // lanes past N repeat the last row: read, never stored
-        dr[r] = {w + (n0 + std::min(r, nn - 1)) * row_bytes, mn.data() + r * nb, {}};
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t ms = std::min<int64_t>(4, M - m0);
-        const int16_t* xp[4];
-        const float *dp[4], *sp[4];
-        for (int64_t t = 0; t < 4; ++t) {
-          const int64_t m = m0 + std::min(t, ms - 1);
-          xp[t] = xn.data() + m * K, dp[t] = a.d + m * nb, sp[t] = a.s + m * nb;
-        }
-        if (ms == 1) rows16<fmt, 1>(dr, xp, dp, sp, nb, acc);
-        else if (ms == 2) rows16<fmt, 2>(dr, xp, dp, sp, nb, acc);
-        else if (ms == 3) rows16<fmt, 3>(dr, xp, dp, sp, nb, acc);
-        else rows16<fmt, 4>(dr, xp, dp, sp, nb, acc);
-        for (int64_t t = 0; t < ms; ++t) {
-          _mm512_store_ps(res, acc[t]);
-          for (int64_t r = 0; r < nn; ++r) store(out + (m0 + t) * ldo + n0 + r, res[r]);
-        }
-      }
-    }
-  });
-}
-#endif
-
-#if defined(__AVX512BW__)
-// Without tiles (the avx512 level: AMD Zen 4), the formats of 32-value blocks take rows16 at every
-// row count: the Q8_0 head at 1-16 rows in 0.62-0.82x the AVX2 path's time, q5_0 4096 x 640 in
-// 0.68-1.04x (`benchmarks/dev/cpu_quant_tiles.py`, 2-core Xeon, 2026-11-27). The K formats stay on
-// the AVX2 path: unpacking their 8 sub-block scales per row costs rows16 1.0-1.4x from 5 rows on.
-inline bool rows16_format(int fmt) { return fmt == Q4_0 || fmt == Q5_0 || fmt == Q8_0 || fmt == Q4_G; }
-
 // gemm_rows16 for a run-time format.
 template <typename T>
 void rows16_any(int fmt, const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out,
@@ -296,13 +256,15 @@ void rows16_any(int fmt, const Acts& a, int64_t M, const uint8_t* w, int64_t N, 
 // gemm's `path`: AUTO picks by row count; ROWS and TILES force one (tests, benchmarks/dev).
 enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 
-// At the amx level every format takes the AMX tiles (csrc/quant_amx.h) above TILE_ROWS rows and
+// At the amx level every format takes the AMX tiles (csrc/quant_amx.h) above tile_rows rows and
 // rows16 at or below, the same bits either way. The tiles do 16 weight rows x 16 activation rows
-// per instruction pair but cost a fixed unpack, transpose and 16-row scaling per weight group:
-// at 16 rows the default model's 262k x 640 Q8_0 head took 0.38x the AVX2 vector path's time,
-// q5_0 4096 x 640 0.40x; at one row 1.2-1.4x and 2.2x (`benchmarks/dev/cpu_quant_tiles.py`, 2-core
-// Xeon with AMX, 2026-11-26).
-constexpr int64_t TILE_ROWS = 4;
+// per instruction pair but cost a fixed unpack, transpose and 16-row scaling per weight group.
+// Against the AVX2 vector path (`benchmarks/dev/cpu_quant_tiles.py`, 2-core Xeon with AMX,
+// 2026-11-27): at 1 row rows16 0.42-0.61x, the tiles 2.0-2.3x; at 6 rows q4_k 640 x 2048 rows16
+// 0.66x, tiles 0.81x, q5_0 4096 x 640 0.48x / 0.64x, but the Q8_0 head 0.74x / 0.63x; from 8
+// rows the tiles lead (16 rows: 0.46-0.58x against rows16's 0.69-1.03x). Without tiles (the
+// avx512 level: AMD Zen 4) rows16 takes every row count: at or below the vector path's time.
+inline int64_t tile_rows(int fmt) { return fmt == Q8_0 ? 4 : 6; }
 
 template <typename T>
 void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt,
@@ -312,7 +274,7 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
   if (M == 0) return;  // the direct path's dot would read 4 rows of an empty activation buffer
 #ifdef FLATSERVE_AMX
   if (flatserve::amx_available()) {
-    if (path == TILES || (path == AUTO && M > TILE_ROWS)) {
+    if (path == TILES || (path == AUTO && M > tile_rows(fmt))) {
       flatserve::qamx::ActTiles tiles;
       flatserve::qamx::act_tiles(a.q, a.d, a.s, M, K, tiles);
       return flatserve::qamx::gemm(tiles, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
@@ -320,10 +282,8 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
     return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
   }
 #endif
-#if defined(__AVX512BW__)
-  if (rows16_format(fmt) || path == ROWS) {
-    return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
-  }
+#if defined(__AVX512VNNI__)
+  return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
 #endif
 #if QG_AVX2
   if (M <= 4) {
@@ -372,7 +332,7 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
   });
 }
 
-// One 32-value block: int16 codes q of v (amax / 32767 per step) in ACT_ORDER, its scale and
+// One 32-value block: int16 codes q of v (amax / 32639 per step) in ACT_ORDER, its scale and
 // scaled sum.
 inline void quantize_block(const float* v, int16_t* q, float* d, float* s) {
   float amax = 0.f;
