@@ -332,44 +332,6 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
   });
 }
 
-// One 32-value block: int16 codes q of v (amax / 32639 per step) in ACT_ORDER, its scale and
-// scaled sum.
-inline void quantize_block(const float* v, int16_t* q, float* d, float* s) {
-  float amax = 0.f;
-  for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
-  const float dd = amax / 32639.f, id = amax > 0.f ? 32639.f / amax : 0.f;
-  int32_t sum = 0;
-  for (int pos = 0; pos < 32; ++pos) {
-    const int32_t c = static_cast<int32_t>(std::nearbyint(v[act_value(pos)] * id));
-    q[pos] = static_cast<int16_t>(c);
-    sum += c;
-  }
-  *d = dd;
-  *s = dd * static_cast<float>(sum);
-}
-
-// A named, never-inlined function without FMA contraction: the attribute does not reach a
-// lambda's body, and with the loop inside parallel_for's lambda the inlined copy (M <= 16 rows,
-// run on the caller) and the threaded copy were compiled apart and once rounded differently: a
-// row's codes depended on how many rows shared the call (a token's logits on its batch).
-template <typename T>
-__attribute__((optimize("fp-contract=off"), noinline))
-void quantize_row(const T* x, int64_t K, int16_t* q, float* d, float* s) {
-  float buf[32];
-  for (int64_t b = 0; b < K / 32; ++b) {
-    for (int l = 0; l < 32; ++l) buf[l] = static_cast<float>(x[32 * b + l]);
-    quantize_block(buf, q + 32 * b, d + b, s + b);
-  }
-}
-
-template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int16_t* q, float* d, float* s) {
-  const int64_t nb = K / 32;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * K, d + m * nb, s + m * nb);
-  });
-}
-
 }  // namespace
 
 // x [M, K] -> int16 codes [M, K] (each 32-value block in ACT_ORDER), scales and scaled sums
