@@ -1,7 +1,7 @@
 // GGUF block formats unpacked into the quantized GEMM's common form (ops/csrc/quant_gemm_cpu.cpp
 // says what the form is and why): the layouts, fp16 scales, and one stored block or row -> its
 // int8 codes, 16-value scales and 32-value offsets; and the activations' int16 block codes. Only
-// that file and the quant_*.h headers include it.
+// that file and the quantized kernels' headers (quant_*.h, greedy_q4.h) include it.
 #pragma once
 
 #include <ATen/Parallel.h>
