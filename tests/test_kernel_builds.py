@@ -4,6 +4,7 @@ failed build remembered (never retried at each start), and concurrent first star
 CPU only: nothing here touches a GPU."""
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ def test_level_flags_are_explicit_and_nested() -> None:
     assert not any("native" in f for fl in flags.values() for f in fl)
     assert flags["portable"] == ["-march=x86-64"]
     assert {"-mavx2", "-mfma", "-mf16c", "-mbmi2"} <= set(flags["avx2"])
-    assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"} <= set(flags["avx512"])
+    assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni"} <= set(flags["avx512"])
     assert {"-mamx-tile", "-mamx-bf16", "-mamx-int8"} <= set(flags["amx"])
     for lo, hi in [("portable", "avx2"), ("avx2", "avx512"), ("avx512", "amx")]:
         assert set(flags[lo]) < set(flags[hi])
@@ -44,6 +45,24 @@ def test_the_level_is_the_best_the_cpu_runs_and_can_only_be_forced_down(monkeypa
     monkeypatch.setenv("FLATSERVE_CPU_ISA", "avx9")
     with pytest.raises(ValueError, match="choose one of auto, amx, avx512, avx2, portable"):
         dev.cpu_isa()
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 levels only")
+def test_the_avx512_level_needs_vnni(monkeypatch) -> None:
+    """The avx512 level's kernels use VNNI byte dots (csrc/quant_rows.h): a CPU with AVX-512 BF16
+    but no AVX512_VNNI flag runs avx2 at best."""
+    flags = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+             "avx512_bf16"}
+    monkeypatch.setattr(dev, "_cpu_flags", lambda: frozenset(flags))
+    dev.cpu_isa_levels.cache_clear()
+    try:
+        assert dev.cpu_isa_levels() == ("avx2", "portable")
+        flags.add("avx512_vnni")
+        dev.cpu_isa_levels.cache_clear()
+        assert dev.cpu_isa_levels() == ("avx512", "avx2", "portable")
+    finally:
+        monkeypatch.undo()
+        dev.cpu_isa_levels.cache_clear()
 
 
 def test_this_cpus_levels_follow_its_flags() -> None:
