@@ -112,7 +112,10 @@ def test_sigterm_under_load_drains_then_aborts_and_exits_0(tiny) -> None:
         ts = [threading.Thread(target=_client, args=(url, i, s, m, out)) for i, (s, m) in enumerate(plan)]
         [t.start() for t in ts]
         deadline = time.time() + 60
-        while live.metric(url, "flatserve_num_requests_running") < 8 and time.time() < deadline:
+        # every request received (3 prompt tokens each) before the signal: a client thread the
+        # busy box had not yet run would post after it and be refused (seen under CI's 2 workers)
+        while (live.metric(url, "flatserve_prompt_tokens_total") < 3 * n
+               or live.metric(url, "flatserve_num_requests_running") < 8) and time.time() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
