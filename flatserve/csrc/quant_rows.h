@@ -1,8 +1,8 @@
-// Decode-sized calls of the quantized GEMM (ops/csrc/quant_gemm_cpu.cpp): each weight row's
-// stored blocks read straight into registers (DirectRow), no unpack buffer. Two users:
+// Decode-sized calls of the quantized GEMM (ops/csrc/quant_gemm_cpu.cpp), each weight row's
+// stored blocks read straight into registers, no unpack buffer:
 //
-// - the AVX2 vector path (1-4 activation rows; the avx2 and avx512 levels), in that file;
-// - at the amx and avx512 levels, `rows16` below (rows16_b32, rows16_k): 16 weight rows at a time
+// - the AVX2 vector path (1-4 activation rows, the avx2 level), one row at a time: DirectRow;
+// - at the amx and avx512 levels, `rows16` (rows16_b32, rows16_k below): 16 weight rows at a time
 //   in AVX-512 lanes by VNNI byte dots, computing the AMX tiles' bits (csrc/quant_amx.h) for any
 //   format, so a call takes the tiles or this path by row count alone and a row's result never
 //   depends on its call.
@@ -97,22 +97,23 @@ struct DirectRow {
 };
 
 #if defined(__AVX512VNNI__)
-// Every format in rows16's bits by VNNI byte dots (the avx512 and amx levels). Each int16
+// rows16: every format by VNNI byte dots (the avx512 and amx levels). Each int16
 // activation code x (|x| <= 32639, quantize_act) is split as x = 256 xh + xl, both signed bytes,
 // and a block's 64 bytes hold [xl of values 0-31 | xh of values 0-31] (vnni_acts). The weight
 // codes go in as unsigned bytes in the same places, twice: [values 0-31 | values 0-31], so a
 // 32-byte format (Q8_0, the K formats) is one broadcast load. One vpdpbusd per row and block
 // leaves xl . q in lanes 0-7 and xh . q in lanes 8-15 (4 lanes per 16 values); sum16v weighs the
 // xh lanes by 256 and adds them up per row, per block or per 16-value half. S = that - off *
-// sum(x) is the block's exact integer dot, as the tiles' and rows16's, so the float operations
-// after it (the same ones, in the same order) give the same bits. Against rows16 per 16 rows and
-// block: no sign extension (a port-5 shuffle per row), the 16 rows' scales by gathers instead of
-// 16 scalar loads, conversions and stores, nibbles unpacked by shifts and masks in place.
-// |S| <= 32 * 255 * (127 * 256 + 128) < 2^28 before the offset (<= 128 * 32 * 32639 < 2^28).
+// sum(x) is the block's exact integer dot, the tiles' own, so the float operations
+// after it (the same ones, in the same order) give the same bits. Against the int16 vpmaddwd
+// version this replaced (246651e), per 16 rows and block: no sign extension (a port-5 shuffle per
+// row), the rows' scales by gathers instead of 16 scalar loads, conversions and stores, nibbles
+// unpacked by shifts and masks in place. |S| <= 32 * 255 * 32639 < 2^28 before the offset, and
+// the offset term 128 * 32 * 32639 < 2^28.
 
-// Sixteen vpdpbusd results -> h0, h1 lane r: row r's xl + 256 xh sums, of the whole block in h0
-// (h1 = 0 contribution folded in: h0 + h1 is the block) or, with halves, of values 0-15 in h0 and
-// 16-31 in h1. sum16's tree (45 ops) plus four variable shifts.
+// Sixteen vpdpbusd results -> h0, h1 lane r: row r's sums with the xh lanes weighed by 256. The
+// whole block is h0 + h1 (h0 the xl part, h1 the xh part); with halves, h0 is values 0-15 and
+// h1 values 16-31. A 45-op shuffle and add tree plus four variable shifts.
 template <bool halves>
 inline void sum16v(const __m512i v[16], __m512i& h0, __m512i& h1) {
   __m512i a[8], c[4];

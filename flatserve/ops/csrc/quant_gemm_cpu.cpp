@@ -191,8 +191,8 @@ void gemm_direct(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 
 #if defined(__AVX512VNNI__)
 // 16 weight rows at a time, four activation rows at a time, by VNNI byte dots (csrc/quant_rows.h
-// rows16_b32 / rows16_k): at the amx level the tiles' bits; at the avx512 level (AMD Zen 4) the
-// path of the 32-value block formats.
+// rows16_b32 / rows16_k): at the amx level the tiles' bits; at the avx512 level (AMD Zen 4) every
+// format's path.
 template <int fmt, typename T>
 void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
   const int64_t nb = a.K / 32;
@@ -221,10 +221,10 @@ void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
         const int64_t ms = std::min<int64_t>(4, M - m0);
         const int8_t* xp[4];
         const int32_t* sp[4];
-        const float *dp[4], *zp[4];
+        const float *dp[4], *ssp[4];
         for (int64_t t = 0; t < 4; ++t) {
           const int64_t m = m0 + std::min(t, ms - 1);
-          xp[t] = xv.data() + m * nb * 64, sp[t] = xsum.data() + m * nb * 2, dp[t] = a.d + m * nb, zp[t] = a.s + m * nb;
+          xp[t] = xv.data() + m * nb * 64, sp[t] = xsum.data() + m * nb * 2, dp[t] = a.d + m * nb, ssp[t] = a.s + m * nb;
         }
         if constexpr (known_layout(fmt).block == 32) {
           if (ms == 1) rows16_b32<fmt, 1>(rows, xp, sp, dp, nb, acc);
@@ -232,10 +232,10 @@ void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
           else if (ms == 3) rows16_b32<fmt, 3>(rows, xp, sp, dp, nb, acc);
           else rows16_b32<fmt, 4>(rows, xp, sp, dp, nb, acc);
         } else {
-          if (ms == 1) rows16_k<fmt, 1>(rows, xp, sp, dp, zp, nb, acc);
-          else if (ms == 2) rows16_k<fmt, 2>(rows, xp, sp, dp, zp, nb, acc);
-          else if (ms == 3) rows16_k<fmt, 3>(rows, xp, sp, dp, zp, nb, acc);
-          else rows16_k<fmt, 4>(rows, xp, sp, dp, zp, nb, acc);
+          if (ms == 1) rows16_k<fmt, 1>(rows, xp, sp, dp, ssp, nb, acc);
+          else if (ms == 2) rows16_k<fmt, 2>(rows, xp, sp, dp, ssp, nb, acc);
+          else if (ms == 3) rows16_k<fmt, 3>(rows, xp, sp, dp, ssp, nb, acc);
+          else rows16_k<fmt, 4>(rows, xp, sp, dp, ssp, nb, acc);
         }
         for (int64_t t = 0; t < ms; ++t) {
           _mm512_store_ps(res, acc[t]);
