@@ -132,6 +132,15 @@ inline void sum16v(const __m512i v[16], __m512i& h0, __m512i& h1) {
   h1 = _mm512_shuffle_i32x4(z01, z23, 0xDD);
 }
 
+// One activation block (its 64 vnni bytes) against 16 rows' codes -> sum16v's h0, h1.
+template <bool halves>
+__attribute__((always_inline)) inline void dots16(const __m512i wv[16], const int8_t* xblk, __m512i& h0, __m512i& h1) {
+  const __m512i x = _mm512_loadu_si512(xblk);
+  __m512i p[16];
+  for (int r = 0; r < 16; ++r) p[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], x);
+  sum16v<halves>(p, h0, h1);
+}
+
 // Activation row codes (ACT_ORDER, [K]) -> their vnni bytes [nb][64] and the code sums of each
 // block's two 16-value halves [nb][2].
 inline void vnni_acts(const int16_t* q, int64_t nb, int8_t* xv, int32_t* xsum) {
@@ -193,11 +202,8 @@ inline void rows16_b32(const uint8_t* const rows[16], const int8_t* const xv[MS]
     __m512i wv[16];
     for (int r = 0; r < 16; ++r) wv[r] = vnni_b32<fmt>(base + o[r]);
     for (int t = 0; t < MS; ++t) {
-      const __m512i x = _mm512_loadu_si512(xv[t] + 64 * b);
-      __m512i p[16];
-      for (int r = 0; r < 16; ++r) p[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], x);
       __m512i h0, h1;
-      sum16v<false>(p, h0, h1);
+      dots16<false>(wv, xv[t] + 64 * b, h0, h1);
       const int32_t sx = xsum[t][2 * b] + xsum[t][2 * b + 1];
       __m512i S = _mm512_add_epi32(h0, h1);
       if constexpr (fmt == Q4_G)
@@ -282,11 +288,8 @@ inline void rows16_k(const uint8_t* const rows[16], const int8_t* const xv[MS], 
     __m512i wv[16];
     for (int r = 0; r < 16; ++r) wv[r] = vnni_k<fmt>(sb + o[r], c);
     for (int t = 0; t < MS; ++t) {
-      const __m512i x = _mm512_loadu_si512(xv[t] + 64 * b);
-      __m512i p[16];
-      for (int r = 0; r < 16; ++r) p[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], x);
       __m512i h0, h1;
-      sum16v<halves>(p, h0, h1);
+      dots16<halves>(wv, xv[t] + 64 * b, h0, h1);
       const __m512 d = _mm512_set1_ps(xd[t][b]);
       if constexpr (halves) {
         const __m512i S0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(32 * xsum[t][2 * b]));
