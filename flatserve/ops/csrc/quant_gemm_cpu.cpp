@@ -274,7 +274,8 @@ enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 // 2026-11-27): at 1 row rows16 0.42-0.61x, the tiles 2.0-2.3x; at 6 rows q4_k 640 x 2048 rows16
 // 0.66x, tiles 0.81x, q5_0 4096 x 640 0.48x / 0.64x, but the Q8_0 head 0.74x / 0.63x; from 8
 // rows the tiles lead (16 rows: 0.46-0.58x against rows16's 0.69-1.03x). Without tiles (the
-// avx512 level: AMD Zen 4) rows16 takes every row count: at or below the vector path's time.
+// avx512 level: AMD Zen 4) rows16 takes every row count: 0.42-0.86x the vector path's time at
+// 1-4 rows, 0.69-1.03x at 16.
 inline int64_t tile_rows(int fmt) { return fmt == Q8_0 ? 4 : 6; }
 
 template <typename T>
