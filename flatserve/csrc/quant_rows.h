@@ -243,7 +243,10 @@ template <int fmt>
 inline void vnni_k_scales(const uint8_t* sb, __m512i offs, __m512 sc[16], __m512 mn[8]) {
   const __m512i m8 = _mm512_set1_epi32(0xFF);
   if constexpr (fmt == Q6_K) {
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(offs, sb + 208, 1)));
+    // d is the super-block's last 2 bytes (208-209 of 210): gathered as the high half of the
+    // dword at 206, so no read passes the block (the last row's would pass the weights' end)
+    const __m512i gd = _mm512_srli_epi32(_mm512_i32gather_epi32(offs, sb + 206, 1), 16);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(gd));
     for (int w = 0; w < 4; ++w) {
       const __m512i g = _mm512_i32gather_epi32(offs, sb + 192 + 4 * w, 1);
       for (int j = 0; j < 4; ++j)  // byte j, sign-extended
