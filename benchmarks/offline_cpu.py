@@ -31,7 +31,8 @@ VARIANTS = {"flatserve": {}, "flatserve-int8": {"quantization": "int8"},
             "flatserve-torchgemm": {"cpu_gemm": "torch"}, "flatserve-onednn": {"cpu_gemm": "onednn"},
             "flatserve-unfused": {"fused_ops": "none"}, "flatserve-copyhead": {"copy_tied_lm_head": True},
             "flatserve-sdpa": {"attention_backend": "cpu-sdpa"},
-            "flatserve-fullhead": {"greedy_int8_head": False}, "flatserve-eager": {"enforce_eager": True},
+            "flatserve-fullhead": {"greedy_int8_head": False},
+            "flatserve-greedyhead": {"greedy_int8_head": True}, "flatserve-eager": {"enforce_eager": True},
             "flatserve-ngram": {"speculative_method": "ngram", "num_speculative_tokens": 3}}
 
 

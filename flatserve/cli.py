@@ -51,10 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with the AMX linears: pack a copy of an LM head tied to the embedding "
                         "(faster decode, +335 MB for the default model) instead of reading the "
                         "embedding table in place")
-    p.add_argument("--greedy-int8-head", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--greedy-int8-head", action=argparse.BooleanOptionalAction, default=None,
                    help="with the AMX or AVX2 linears: greedy rows find their argmax through a one-byte "
                         "(7-bit) copy of the LM head with exact bounds (same tokens; +171 MB for "
-                        "the default model)")
+                        "the default model). Default: on with the AVX2 linears, off with AMX")
     p.add_argument("--fused-ops", default="auto",
                    help="auto | none | comma list of rmsnorm,rope,act (Triton on CUDA, C++ on the CPU)")
     p.add_argument("--seed", type=int, default=0)

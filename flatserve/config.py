@@ -49,8 +49,11 @@ class EngineConfig:
     copy_tied_lm_head: bool = False
     # amx, avx2: greedy rows take their argmax from a one-byte (7-bit) copy of the LM head with exact
     # bounds, rescoring the few rows that can win in bf16 (flatserve/model/greedy_head.py): the
-    # same tokens, half the head's bytes, +171 MB for the default model.
-    greedy_int8_head: bool = True
+    # same tokens, half the head's bytes, +171 MB for the default model. None (auto): only where
+    # the linears are the AVX2 kernel (no native bf16: there one stream needs it, 0.73x vs ~0.5x
+    # llama-server), not on AMX (one stream 1.32x with it, 0.98x without, and the copy took bf16
+    # peak RSS at 16 streams over 1.2 GiB: docs/performance-cpu.md).
+    greedy_int8_head: bool | None = None
     served_model_name: str | None = None
     chat_template: str | None = None  # path to a Jinja template overriding the model's
     # Speculative decoding: None | "ngram" (prompt lookup) | "draft" (speculative_model).

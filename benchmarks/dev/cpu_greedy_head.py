@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--gguf", action="store_true", help="the quantized Q8_0 head and its 4-bit copy")
     a = ap.parse_args()
-    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, dequantize=not a.gguf)
+    llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, dequantize=not a.gguf,
+              greedy_int8_head=None if a.gguf else True)
     model = llm.engine.runner.model
     greedy = llm.engine.runner.greedy_head
     if a.gguf:

@@ -2,7 +2,7 @@
 (weights files, heap, anonymous mappings, libraries) after start-up and after a run of N
 concurrent prompts, in this process (one engine per invocation).
 
-    .venv/bin/python benchmarks/dev/cpu_rss.py [--dequantize] [--no-greedy-int8-head]
+    .venv/bin/python benchmarks/dev/cpu_rss.py [--dequantize] [--[no-]greedy-int8-head]
         [--seqs 16] [--prompt-len 256] [--max-tokens 64] [--libs 8]
 
 The engine is the server's (benchmarks/vs_llamacpp_cpu.py): --max-model-len 2048,
@@ -85,7 +85,8 @@ def report(tag: str, libs: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dequantize", action="store_true")
-    ap.add_argument("--no-greedy-int8-head", action="store_true")
+    ap.add_argument("--greedy-int8-head", action=argparse.BooleanOptionalAction, default=None,
+                    help="the 7-bit greedy copy of a bf16 LM head (default: the engine's choice)")
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -96,7 +97,7 @@ def main() -> None:
     report("imported flatserve", a.libs)
     t = time.perf_counter()
     llm = LLM(device="cpu", max_num_seqs=a.seqs, max_model_len=2048, enable_prefix_caching=False,
-              dequantize=a.dequantize, greedy_int8_head=not a.no_greedy_int8_head)
+              dequantize=a.dequantize, greedy_int8_head=a.greedy_int8_head)
     report(f"started ({time.perf_counter() - t:.0f} s)", a.libs)
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here: the run's peak alone
     rng = random.Random(0)

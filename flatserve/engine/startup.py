@@ -214,7 +214,7 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
         weights = _quantize(model, device, cfg.quantization)
     if gemm != "torch":
         weights += _pack(model, device, gemm, cfg.copy_tied_lm_head)
-    greedy = _greedy_head(model, mcfg, gemm) if cfg.greedy_int8_head else None
+    greedy = _greedy_head(model, mcfg, gemm, cfg.greedy_int8_head)
     weights += greedy.nbytes if greedy is not None else 0
     draft = _load_draft(cfg, mcfg, dtype, device, gemm)
     ops.enable(model, fused, backend)
@@ -388,14 +388,17 @@ def _pack(model: torch.nn.Module, device: torch.device, gemm: str, copy_tied: bo
     return added
 
 
-def _greedy_head(model: torch.nn.Module, mcfg: ModelConfig, gemm: str) -> torch.nn.Module | None:
+def _greedy_head(model: torch.nn.Module, mcfg: ModelConfig, gemm: str,
+                 want: bool | None) -> torch.nn.Module | None:
     """The bounded greedy head where its argmax is the model's: for a CPU Q8_0 LM head (a
     GGUF's, kept quantized) the 4-bit copy (model/greedy_q4.py); for an AMX or AVX2 LM head (the
     AVX2 kernel's vector build) without bias whose logits are used as they are (no softcap) the
-    7-bit copy; else None."""
+    7-bit copy; else None. `want` None (auto): not for an AMX head (EngineConfig's comment)."""
     from flatserve.model import amx, avx2, greedy_q4, quant
     from flatserve.model.greedy_head import Int8GreedyHead
 
+    if want is False or (want is None and gemm == "amx"):
+        return None
     head = getattr(model, "lm_head", None)
     if isinstance(head, quant.QuantLinear):  # its kernel is the CPU extension: CPU heads only
         return greedy_q4.for_model(model, mcfg) if head.qweight0.device.type == "cpu" else None

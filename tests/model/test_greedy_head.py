@@ -171,3 +171,17 @@ def test_greedy_generation_identical_with_the_head_on_and_off(gemm: str, family:
             assert head.calls >= 24 and head.fallbacks == 0
         del llm
     assert out[True] == out[False]
+
+
+def test_by_default_only_the_avx2_linears_take_the_copy(gemm: str, tmp_path) -> None:
+    """greedy_int8_head left unset: the 7-bit copy with the AVX2 linears (no native bf16: one
+    stream needs it), none with AMX (its 171 MB took bf16 peak RSS past 1.2 GiB); set, it rules."""
+    from flatserve import LLM
+    from tests.conftest import build_checkpoint
+
+    path, _ = build_checkpoint("gemma3", tmp_path, seed=random.randrange(1000))
+    for want, built in ((None, gemm == "avx2"), (True, True), (False, False)):
+        llm = LLM(device="cpu", model=str(path), dtype="bfloat16", cpu_gemm=gemm, max_model_len=128,
+                  greedy_int8_head=want)
+        assert (llm.engine.runner.greedy_head is not None) == built, (gemm, want)
+        del llm
