@@ -14,6 +14,13 @@ from dataclasses import dataclass
 from flatserve.memory import GiB
 
 CPU_SEQS, CPU_TOKENS = 64, 2048  # measured right on CPUs (docs/performance-cpu.md)
+# Where bf16 matmuls are emulated (no AMX / AVX512-BF16: the avx2 and portable levels) prompt rows
+# run fp32 GEMMs on weights widened per call, and a 2,048-token chunk's transients (the widened
+# weight, fp32 activations, 2,048 x 4,096 fp32 gate_up outputs) stayed in the heap: with the AVX2
+# kernels forced on a 2-core AMX VM, bf16 weights, 16 streams served, peak RSS 1.31 / 1.37 GiB at
+# 2,048 and 1.25 / 1.27 at 512, out tok/s 54.8 / 49.0 vs 45.5 / 52.6 (two alternated rounds,
+# within their spread; 2026-11-27). llama.cpp's prompt micro-batch is 512 as well.
+CPU_TOKENS_EMULATED_BF16 = 512
 # (device memory at least, sequences, batched tokens): the GPU tiers. 60 GiB covers the
 # H100/H200/A100-80G class; 20 GiB the 24-48 GiB cards (L4, A10, RTX 4090, L40S).
 GPU_TIERS = ((60 * GiB, 512, 32768), (20 * GiB, 256, 16384), (0, 128, 8192))
@@ -32,10 +39,13 @@ class StepLimits:
 
 
 def size_limits(seqs: int | None, tokens: int | None, device_type: str, total_memory: int,
-                hidden: int, intermediate: int, elt: int) -> StepLimits:
-    """The user's values where set; else by device: the GPU tier of `total_memory`, with the
+                hidden: int, intermediate: int, elt: int, fast_bf16: bool = True) -> StepLimits:
+    """The user's values where set; else by device: on a CPU without fast bf16 (`fast_bf16`
+    False) the smaller token budget; the GPU tier of `total_memory`, with the
     token budget halved until one step's activations (~hidden x 6 + intermediate x 3 values a
     token: residual, norms, q/k/v/o, gate/up/act) fit ACTIVATION_SHARE of the memory."""
+    if device_type == "cpu" and not fast_bf16:
+        return _fill(seqs, tokens, CPU_SEQS, CPU_TOKENS_EMULATED_BF16, "CPU defaults, no native bf16")
     if device_type != "cuda":
         why = "CPU defaults" if device_type == "cpu" else f"{device_type} defaults"
         return _fill(seqs, tokens, CPU_SEQS, CPU_TOKENS, why)

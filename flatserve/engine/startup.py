@@ -193,7 +193,8 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
     limits = size_limits(cfg.max_num_seqs, cfg.max_num_batched_tokens, device.type, probe.total,
                          mcfg.hidden_size, mcfg.intermediate_size,
-                         torch.empty((), dtype=dtype).element_size())
+                         torch.empty((), dtype=dtype).element_size(),
+                         device.type != "cpu" or dev.cpu_has_fast_bf16())
     log.info(limits.line())
     cfg = dataclasses.replace(cfg, max_num_seqs=limits.max_num_seqs,
                               max_num_batched_tokens=limits.max_num_batched_tokens)

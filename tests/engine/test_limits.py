@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import random
 
-from flatserve.engine.limits import CPU_SEQS, CPU_TOKENS, GPU_TIERS, size_limits
+from flatserve.engine.limits import CPU_SEQS, CPU_TOKENS, CPU_TOKENS_EMULATED_BF16, GPU_TIERS, size_limits
 from flatserve.memory import GiB
 
 
 def test_cpu_keeps_its_measured_defaults_and_flags_override() -> None:
     lim = size_limits(None, None, "cpu", 24 * GiB, 640, 2048, 2)
     assert (lim.max_num_seqs, lim.max_num_batched_tokens) == (CPU_SEQS, CPU_TOKENS)
+    lim = size_limits(None, None, "cpu", 24 * GiB, 640, 2048, 2, fast_bf16=False)
+    assert (lim.max_num_seqs, lim.max_num_batched_tokens) == (CPU_SEQS, CPU_TOKENS_EMULATED_BF16)
+    t = random.randint(1, 99999)
+    assert size_limits(None, t, "cpu", 24 * GiB, 640, 2048, 2, fast_bf16=False).max_num_batched_tokens == t
     s, t = random.randint(1, 999), random.randint(1, 99999)
     lim = size_limits(s, t, "cuda", 80 * GiB, 4096, 14336, 2)
     assert (lim.max_num_seqs, lim.max_num_batched_tokens, lim.why) == (s, t, "as given")
