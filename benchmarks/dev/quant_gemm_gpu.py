@@ -6,6 +6,9 @@ time (GB/s) beside the device's copy rate, the memory floor of a decode-sized ca
     PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --sweep   # the GEMV's tiles, and each path by rows
     PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --planar [--tiles] [--kb] --rows 1,16,64
         # q4_0 / q8_0: the stored blocks against the planar copy (quant_planar.py), in CUDA graphs
+    PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --gemm --rows 16,64,256,1024
+        # the fused GEMM's tiles (quant_planar._gemm_kernel) against bf16 cuBLAS and the
+        # decode path / dequantize + cuBLAS, per row count (compiles in parallel first)
 
 Weights are random bytes with finite scales (timing does not depend on the values). Runtime
 (estimate, not timed): a minute on an H100.
@@ -47,11 +50,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--planar", action="store_true")
     ap.add_argument("--tiles", action="store_true", help="with --planar: sweep the planar kernels' tiles")
+    ap.add_argument("--gemm", action="store_true", help="the fused GEMM's tiles by row count (q4_0)")
+    ap.add_argument("--jobs", type=int, default=12, help="with --gemm: processes compiling the tiles")
     ap.add_argument("--kb", action="store_true", help="with --planar: the FMA kernel at one row, 4-32 "
                     "blocks a step (longer runs of each weight row a step)")
     a = ap.parse_args()
     if a.sweep:
         return sweep(a.formats.split(","))
+    if a.gemm:
+        return gemm_sweep([int(r) for r in a.rows.split(",")], a.jobs)
     if a.planar:
         return planar(a.tiles, [int(r) for r in a.rows.split(",")], a.kb)
     bw = copy_bandwidth()  # bytes moved per second (read + write), as offline_gpu.py's floor
@@ -149,8 +156,8 @@ def planar(tiles: bool, rows: list[int], kb: bool = False) -> None:
     KB, splits, warps, stages) of the FMA kernel at one and two rows and of the tensor-core
     kernel at 16 rows, best three (with `kb`, the FMA kernel's blocks a step); then per row
     count cuBLAS on bf16 weights, the stored blocks' path and the planar one, the latter also
-    with its split sum as a second launch (device us per call, graph_us; GB/s = weight bytes /
-    time)."""
+    as it was before the fused GEMM (quant_planar.GEMM off) (device us per call, graph_us; GB/s
+    = weight bytes / time)."""
     import itertools
 
     import torch
@@ -216,16 +223,111 @@ def planar(tiles: bool, rows: list[int], kb: bool = False) -> None:
                 t_bf = graph_us([lambda d=d: torch.mm(x, d.t(), out=out) for d in denses])
                 t_st = graph_us([lambda w=w: qt.qgemm(x, w, fmt, out) for w in ws])
                 t_pl = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
-                qp.FUSED_SUM = False
-                t_un = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
-                qp.FUSED_SUM = True
+                qp.GEMM = False
+                t_old = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
+                qp.GEMM = True
                 print(f"rows {f} {name:8s} M={m:4d} floor {nb / bw * 1e6:6.1f} us | bf16 {t_bf:7.1f} | "
                       f"stored {t_st:7.1f} ({nb / t_st / 1e3:5.0f} GB/s) | planar {t_pl:7.1f} "
                       f"({nb / t_pl / 1e3:5.0f} GB/s, {t_st / t_pl:4.2f}x stored, "
-                      f"{t_bf / t_pl:4.2f}x bf16) | "
-                      f"planar, split sum a 2nd launch {t_un:7.1f}",
+                      f"{t_bf / t_pl:4.2f}x bf16) | planar before the fused GEMM {t_old:7.1f} "
+                      f"({t_old / t_pl:4.2f}x){' (fused GEMM)' if qp.use_gemm(m, n, k) else ''}",
                       flush=True)
             del ws, ps, denses
+
+
+def gemm_configs(m: int) -> list[tuple[int, ...]]:
+    """(BLOCK_M, BLOCK_N, KB, splits, warps, stages) tried at m rows (splits 0: the auto rule's)."""
+    import itertools
+
+    bms = [b for b in (16, 32, 64, 128, 256) if b <= max(16, m) and b * (8 if m >= 512 else 4) >= m]
+    out = []
+    for bm, bn, kb, warps, stages in itertools.product(bms, (64, 128, 256), (2, 4), (4, 8), (3, 4)):
+        if bm * bn >= 256 * 256 or (bm * bn >= 128 * 256 and warps == 4) or (bm <= 32 and warps == 8) \
+                or (m >= 512 and bn == 64):
+            continue
+        out.append((bm, bn, kb, 0, warps, stages))
+    return out
+
+
+def _gemm_job(jobs: list) -> int:
+    """Compile (and run once) each (shape, m, tiles): fills Triton's cache for the timing process."""
+    import torch
+
+    from flatserve.model import quant_planar as qp
+    from flatserve.model.qformats import FORMATS
+
+    fmt, bad = FORMATS["q4_0"], 0
+    for name, m, c in jobs:
+        n, k = SHAPES[name]
+        p = torch.zeros(n, fmt.row_bytes(k), dtype=torch.uint8, device="cuda")
+        x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        try:
+            qp.gemm(x, p, fmt, out, _resolve(c, m, n, k))
+        except Exception:  # noqa: BLE001 (out of shared memory: the timing pass reports it)
+            bad += 1
+    torch.cuda.synchronize()
+    return bad
+
+
+def _resolve(c: tuple[int, ...], m: int, n: int, k: int) -> tuple[int, ...]:
+    """Splits 0 -> the auto rule's splits for this tile."""
+    import torch
+
+    from flatserve.model import quant_planar as qp
+
+    if c[3]:
+        return c
+    auto = qp._gemm_tiles(torch.device("cuda"), m, n, k // 32, bm=c[0], bn=c[1], kb=c[2])
+    return c[:3] + (auto[3],) + c[4:]
+
+
+def gemm_sweep(rows: list[int], jobs: int) -> None:
+    """q4_0, per shape and row count: bf16 cuBLAS, the path qgemm took before the fused GEMM
+    (the tensor-core GEMV up to 32 rows, else dequantize + cuBLAS), the fused GEMM with the auto
+    tiles, and the best 5 of gemm_configs (device us per call in CUDA graphs, graph_us)."""
+    import multiprocessing as mp
+    import time
+
+    import torch
+
+    from flatserve.model import quant_planar as qp
+    from flatserve.model.qformats import FORMATS
+
+    fmt = FORMATS["q4_0"]
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"{torch.cuda.get_device_name()}  L2 {l2 >> 20} MiB", flush=True)
+    todo = [(name, m, c) for name in SHAPES for m in rows for c in gemm_configs(m)]
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        bad = sum(pool.map(_gemm_job, [todo[i::jobs] for i in range(jobs)]))
+    print(f"compiled {len(todo)} (shape, rows, tiles) in {time.time() - t0:.0f} s, {bad} failed", flush=True)
+    for name, (n, k) in SHAPES.items():
+        nb = n * fmt.row_bytes(k)
+        ps = [qp.repack(random_blocks(n, k, fmt, "cuda"), fmt) for _ in range(max(1, -(-2 * l2 // nb)))]
+        denses = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+                  for _ in range(max(1, -(-l2 // (n * k))))]  # 2 bytes a value: over 2x the L2
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            t_bf = graph_us([lambda d=d: torch.mm(x, d.t(), out=out) for d in denses])
+            qp.GEMM = False
+            t_old = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
+            qp.GEMM = True
+            t_auto = graph_us([lambda p=p: qp.gemm(x, p, fmt, out) for p in ps])
+            res = []
+            for c in gemm_configs(m):
+                c = _resolve(c, m, n, k)
+                try:
+                    res.append((graph_us([lambda p=p, c=c: qp.gemm(x, p, fmt, out, c) for p in ps]), c))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {name} M={m} {c}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            res.sort()
+            auto = qp._gemm_tiles(x.device, m, n, k // 32)
+            print(f"gemm q4_0 {name:8s} M={m:5d} bf16 {t_bf:7.1f} | old {t_old:7.1f} | auto "
+                  f"{auto} {t_auto:7.1f} ({t_bf / t_auto:4.2f}x bf16) | best "
+                  + "  ".join(f"{t:7.1f} {c}" for t, c in res[:5]), flush=True)
+        del ps, denses
 
 
 if __name__ == "__main__":

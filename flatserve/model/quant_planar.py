@@ -25,8 +25,11 @@ Triton interpreter on a CPU and compiled on CUDA):
 - up to FMA_ROWS rows: `_fma_kernel`, fp32 FMAs; codes to floats by masking each nibble in place
   into the mantissa of 2^23 (x scaled by the nibble's power of 16, once per thread for all its
   columns, not per weight) and the zero point taken out of the block's sum of x;
-- up to GEMV_ROWS rows: `_dot_kernel`, the weights dequantized in registers (the reference's
-  bits: d * (q - 8) in fp32, rounded to x's dtype) into tensor-core products;
+- from 3 rows to 128 (256 for weights of >= 2^25 values; `use_gemm`): `_gemm_kernel`, a GEMM
+  tiled over rows and columns (16-256 x 64-128), the weights dequantized in registers (the
+  reference's bits: d * (q - 8) in fp32, rounded to x's dtype) into tensor-core products, no
+  dense copy; (`_dot_kernel`, the tensor-core GEMV it replaced at 3-32 rows, stays for the
+  benchmark's A/B, GEMM = False);
 - above: `_dequant_kernel` to x's dtype, then cuBLAS.
 The K axis is split across programs and the partial sums added in a fixed order (in the FMA
 kernel by the last program of each column tile, _finish_split; else quant_triton's
@@ -44,6 +47,7 @@ FORMATS = {"q8_0": 0, "q4_0": 1}  # name -> kernel code
 _CB = {0: 32, 1: 16}  # code bytes per block
 FMA_ROWS = 2
 GEMV_ROWS = 32
+GEMM = True  # False: qgemm's paths before _gemm_kernel (the benchmark's A/B)
 _CHUNK = 4096  # rows repacked at a time (bounds the temporaries)
 
 
@@ -302,6 +306,45 @@ def _dot_kernel(x_ptr, c_ptr, s_ptr, part_ptr, out_ptr, lock_ptr, M, N, nblk, st
 
 
 @triton.jit
+def _gemm_kernel(x_ptr, c_ptr, s_ptr, part_ptr, out_ptr, M, N, nblk, stride_xm, stride_om,
+                 blocks_per_split, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KB: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr):
+    """out^T [BLOCK_N, BLOCK_M] tile = W [cols, K] @ x [rows, K]^T on the tensor cores (wgmma on
+    Hopper), the weights dequantized in registers (the reference's bits, _values) as the dot's
+    left operand, KB blocks a step, STAGES steps in flight (Triton's pipeliner: cp.async into
+    shared memory); with SPLITS > 1 this split's fp32 partial to part (summed in split order by
+    _split_sum_kernel). (One dot per nibble position, K = 4 KB deep, with x gathered in the codes'
+    order instead of the reshape: no faster at any tile of the sweep, 2026-11-27.)"""
+    pid, pid_s = tl.program_id(0), tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % grid_m, pid // grid_m  # the row tiles of a column tile run together:
+    # its weights come from HBM once, x (a row tile, <= 7 MB) from L2
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rnc = tl.minimum(rn, N - 1).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rm < M
+    W: tl.constexpr = 4 if FMT == 1 else 8
+    cptr = c_ptr + (rnc * nblk * W)[:, None] + tl.arange(0, KB * W)[None, :]  # [BN, KB W] words
+    sptr = s_ptr + (rnc * nblk)[:, None] + tl.arange(0, KB)[None, :]  # [BN, KB]
+    xptr = x_ptr + (rm * stride_xm)[None, :] + tl.arange(0, KB * 32)[:, None]  # x^T [BK, BM]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    first = pid_s * blocks_per_split
+    for kb0 in tl.range(first, first + blocks_per_split, KB, num_stages=STAGES):
+        v = tl.load(cptr + kb0 * W)
+        d = tl.load(sptr + kb0).to(tl.float32)
+        xt = tl.load(xptr + kb0 * 32, mask=mask_m[None, :], other=0.0)
+        w = tl.reshape(_values(tl.reshape(v, (BLOCK_N * KB, W)), FMT), (BLOCK_N, KB, 32))
+        w = tl.reshape(w * d[:, :, None], (BLOCK_N, KB * 32)).to(xt.dtype)
+        acc = tl.dot(w, xt, acc, input_precision="ieee", out_dtype=tl.float32)
+    mask = mask_m[None, :] & (rn < N)[:, None]
+    if SPLITS == 1:
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        tl.store(part_ptr + (pid_s * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
+
+
+@triton.jit
 def _dequant_kernel(c_ptr, s_ptr, out_ptr, N, K, nblk, FMT: tl.constexpr,
                     BLOCK_N: tl.constexpr, KB: tl.constexpr):
     """out [N, K] (x's dtype) = d * (q - zero) (the reference's bits), [BLOCK_N, KB blocks] a
@@ -341,13 +384,15 @@ def _views(p: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, in
 def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
           tiles: tuple[int, int, int, int, int] | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T, W planar uint8 [N, row_bytes] (repack). `tiles` (BLOCK_N,
-    KB, splits, warps, stages) overrides the decode-sized paths' choice
-    (benchmarks/dev/quant_gemm_gpu.py --planar --tiles)."""
+    KB, splits, warps, stages) overrides the decode-sized paths' choice and keeps them from the
+    fused GEMM (benchmarks/dev/quant_gemm_gpu.py --planar --tiles)."""
     (M, K), N = x.shape, p.shape[0]
     assert x.stride(1) == 1 and out.stride(1) == 1 and p.is_contiguous() and K % 32 == 0
     assert p.shape[1] == fmt.row_bytes(K) and out.shape == (M, N)
     codes, scales, nblk = _views(p, fmt)
     code = FORMATS[fmt.name]
+    if GEMM and tiles is None and use_gemm(M, N, K):
+        return gemm(x, p, fmt, out)
     if M > GEMV_ROWS:
         dense = torch.empty(N, K, dtype=x.dtype, device=x.device)
         kb = next(k for k in (8, 4, 2, 1) if nblk % k == 0)
@@ -379,6 +424,59 @@ def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
 
         _split_sum_kernel[(triton.cdiv(M * N, 1024),)](part, out, M * N, N, out.stride(0),
                                                         SPLITS=splits, BLOCK=1024)
+
+
+def use_gemm(m: int, n: int, k: int) -> bool:
+    """Whether qgemm takes _gemm_kernel for m rows of an n x k weight: from 3 rows (below, the FMA
+    GEMV) to 128, and to 256 for weights of >= 2^25 values. Its time per call against the paths
+    before it (benchmarks/dev/quant_gemm_gpu.py --planar / --gemm, q4_0, Llama-3-8B's linears, H100,
+    2026-11-27; raw docs/benchmarks/raw/gpu_h100_q4_0_fused_gemm/): 4-32 rows o / gate_up / down
+    0.75-0.91x the tensor-core GEMV's, qkv 1.06-1.12x; 64-128 rows 0.48-0.92x dequantize +
+    cuBLAS's; 256 rows gate_up and down 0.83-0.92x, qkv and o 1.09-1.12x; 512 rows 1.4-2.0x (the
+    best tile: x re-read from L2 for every 64-128 weight rows, the dequantization not hidden)."""
+    return FMA_ROWS < m <= (256 if n * k >= 1 << 25 else 128)
+
+
+def gemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
+         tiles: tuple[int, ...] | None = None) -> None:
+    """out [M, N] = x @ W^T by _gemm_kernel (no dense copy of W). `tiles` (BLOCK_M, BLOCK_N, KB,
+    splits, warps, stages) overrides _gemm_tiles (benchmarks/dev/quant_gemm_gpu.py --gemm)."""
+    (M, K), N = x.shape, p.shape[0]
+    codes, scales, nblk = _views(p, fmt)
+    bm, bn, kb, splits, warps, stages = tiles or _gemm_tiles(x.device, M, N, nblk)
+    per = nblk // splits
+    assert per * splits == nblk and per % kb == 0, (nblk, kb, splits)
+    part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)
+    _gemm_kernel[grid](x, codes, scales, part, out, M, N, nblk, x.stride(0), out.stride(0), per,
+                       FMT=FORMATS[fmt.name], BLOCK_M=bm, BLOCK_N=bn, KB=kb, SPLITS=splits,
+                       STAGES=stages, num_warps=warps)
+    if splits > 1:
+        from flatserve.model.quant_triton import _split_sum_kernel
+
+        _split_sum_kernel[(triton.cdiv(M * N, 1024),)](part, out, M * N, N, out.stride(0),
+                                                        SPLITS=splits, BLOCK=1024)
+
+
+def _gemm_tiles(device: torch.device, m: int, n: int, nblk: int, bm: int | None = None,
+                bn: int | None = None, kb: int | None = None) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, KB, splits, warps, stages) for _gemm_kernel: near the best of
+    benchmarks/dev/quant_gemm_gpu.py --gemm per row count on an H100 (2026-11-27, Llama-3-8B's
+    four shapes, q4_0; 24-112 tiles tried a row count): a row tile of the next power of 2 of m
+    (16-256 rows); 64 weight rows a program (128 and 8 warps at 33-64 rows; 128 for K >= 8192 up
+    to 32 rows); 4 blocks a step (2 at 16 rows for K < 8192, and at 256 rows); 3 stages. K split
+    (in powers of 2) until the tiles fill every SM once."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    bm = bm or min(256, max(16, triton.next_power_of_2(m)))
+    wide = bm == 64 or (bm <= 32 and nblk >= 256)
+    bn = bn or (128 if wide else 64)
+    warps = 8 if bm == 64 else 4
+    kb = kb or (2 if bm >= 256 or (bm == 16 and not wide) else 4)
+    kb = next(k for k in (kb, 2, 1) if nblk % k == 0)
+    tiles, splits = triton.cdiv(m, bm) * triton.cdiv(n, bn), 1
+    while tiles * splits < sms and nblk % (2 * splits * kb) == 0:
+        splits *= 2
+    return bm, bn, kb, splits, warps, 3
 
 
 def _tiles(device: torch.device, n: int, nblk: int, rows: int) -> tuple[int, int, int, int, int]:

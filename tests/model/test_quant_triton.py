@@ -37,7 +37,7 @@ for name in quant_triton.KERNEL_FORMATS:
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-5, (name, m, n, k, err)
 # The planar copy (quant_planar): fresh random blocks and activations every run; rows 1-2 the FMA
-# kernel, 3-32 the tensor-core one, more dequantize + matmul; K split in 2-16 where K allows;
+# kernel, 3-40 the fused GEMM (3-32 also the tensor-core GEMV it replaced); K split in 2-16 where K allows;
 # the output poisoned with NaN first (every element written).
 g = torch.Generator().manual_seed(torch.seed() % 2**31)
 for name in quant_planar.FORMATS:
@@ -55,12 +55,44 @@ for name in quant_planar.FORMATS:
             quant_planar.qgemm(x.to(dev), p, fmt, out, tiles)
             err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
             assert err < 1e-5, ("planar", name, m, n, k, tiles, err)
-            if m <= quant_planar.GEMV_ROWS:  # the split sum in-kernel or a 2nd launch: same bits
+            if m <= quant_planar.FMA_ROWS:  # the split sum in-kernel or a 2nd launch: same bits
                 quant_planar.FUSED_SUM = False
                 out2 = torch.full((m, n), float("nan"), device=dev)
                 quant_planar.qgemm(x.to(dev), p, fmt, out2, tiles)
                 quant_planar.FUSED_SUM = True
                 assert torch.equal(out, out2), ("planar split sum", name, m, n, k, tiles)
+            elif m <= quant_planar.GEMV_ROWS:  # the tensor-core GEMV (the path before the GEMM)
+                quant_planar.GEMM = False
+                out2 = torch.full((m, n), float("nan"), device=dev)
+                quant_planar.qgemm(x.to(dev), p, fmt, out2, tiles)
+                quant_planar.GEMM = True
+                err = ((out2.cpu().double() - ref).norm() / ref.norm()).item()
+                assert err < 1e-5, ("planar gemv", name, m, n, k, err)
+# The fused GEMM (quant_planar._gemm_kernel) at row counts that are not multiples of its row
+# tile (17, 100, 257) and columns not of its column tile (70, 33): the auto tiles, and others
+# with K split in 2 (fixed-order sums), 1-4 blocks a step. fp32 activations (the interpreter has
+# no bf16 dots): the products are exact and only the fp32 sums' rounding differs from the
+# float64 reference, ~1e-7 relative, so 1e-5.
+for name in quant_planar.FORMATS:
+    fmt = FORMATS[name]
+    for m, (n, k) in ((17, (70, 512)), (100, (33, 256)), (257, (70, 256))):
+        raw = random_blocks(fmt, n, k, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+        p = quant_planar.repack(raw.to(dev), fmt)
+        x = torch.randn(m, k, generator=g)
+        ref = x.double() @ dequantize(raw, fmt, k).double().t()
+        for tiles in (None, (16, 32, 1, 2, 4, 2), (64, 64, 4, 1, 4, 2), (128, 64, 2, 2, 8, 3)):
+            out = torch.full((m, n), float("nan"), device=dev)
+            quant_planar.gemm(x.to(dev), p, fmt, out, tiles)
+            err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, ("gemm", name, m, n, k, tiles, err)
+        if dev == "cuda":  # bf16 activations: the reference's bits (w rounded to bf16, fp32 sums);
+            # the outputs' bf16 rounding (2^-9 relative) bounds the difference, so 1e-2
+            xb = x.to(dev, torch.bfloat16)
+            refb = xb.double().cpu() @ dequantize(raw, fmt, k).bfloat16().double().t()
+            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            quant_planar.qgemm(xb, p, fmt, out)
+            err = ((out.cpu().double() - refb).norm() / refb.norm()).item()
+            assert err < 1e-2, ("gemm bf16", name, m, n, k, err)
 print("ok")
 '''
 
