@@ -84,6 +84,27 @@ def test_ties_one_bf16_step_apart(gemm: str, monkeypatch) -> None:
     assert torch.equal(greedy(x), kernels.row_argmax(head(x))) and greedy.fallbacks == 0
 
 
+@pytest.mark.parametrize("plain", [True, False])
+def test_rescoring_in_chunks_keeps_the_first_maximum(gemm: str, plain: bool, monkeypatch) -> None:
+    """Candidates rescored RESCORE_ROWS at a time (64 here): ~200 rows tying exactly for the
+    maximum, spread over the vocabulary, so the tie crosses chunks; the first index must win,
+    and the other rows' tokens equal the bf16 head's too."""
+    monkeypatch.setattr(greedy_head, "UNION_CAP", 1)
+    monkeypatch.setattr(greedy_head, "RESCORE_ROWS", 64)
+    n, k = 64 * random.randint(60, 120), 640
+    w = (torch.randn(n, k) * torch.rand(n, 1) * 0.1).bfloat16()
+    tied = sorted(random.sample(range(n), random.randint(150, 250)))
+    w[tied] = (torch.randn(k) * 0.1).bfloat16()
+    head = _linear(gemm, w, plain)
+    greedy = Int8GreedyHead(head)
+    x = torch.randn(5, k)
+    x[0] = w[tied[0]].float() * 40
+    x = x.bfloat16()
+    ref = kernels.row_argmax(head(x))
+    assert ref[0].item() == tied[0]
+    assert torch.equal(greedy(x), ref) and greedy.fallbacks == 0
+
+
 def test_bound_holds_against_float64(gemm: str) -> None:
     """|s (x . q) - x . w| <= |x|_1 c in float64 (the quantization part of the bound), and each
     token's candidates hold every row at the bf16 head's maximum."""
