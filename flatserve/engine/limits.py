@@ -19,7 +19,8 @@ CPU_SEQS, CPU_TOKENS = 64, 2048  # measured right on CPUs (docs/performance-cpu.
 # weight, fp32 activations, 2,048 x 4,096 fp32 gate_up outputs) stayed in the heap: with the AVX2
 # kernels forced on a 2-core AMX VM, bf16 weights, 16 streams served, peak RSS 1.31 / 1.37 GiB at
 # 2,048 and 1.25 / 1.27 at 512, out tok/s 54.8 / 49.0 vs 45.5 / 52.6 (two alternated rounds,
-# within their spread; 2026-11-27). llama.cpp's prompt micro-batch is 512 as well.
+# within their spread; 2026-11-27); the default GGUF, same set-up: 0.89 vs 1.00-1.03 GiB, 47.3 /
+# 50.2 vs 52.6 / 49.6 tok/s, TTFT p50 5.1-5.3 vs 6.8-7.3 s. llama.cpp's prompt micro-batch is 512.
 CPU_TOKENS_EMULATED_BF16 = 512
 # (device memory at least, sequences, batched tokens): the GPU tiers. 60 GiB covers the
 # H100/H200/A100-80G class; 20 GiB the 24-48 GiB cards (L4, A10, RTX 4090, L40S).
