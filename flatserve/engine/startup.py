@@ -191,13 +191,7 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     tokenizer = load_tokenizer(src, cfg.tokenizer)
     runtime = dev.process_rss() if device.type != "cuda" else 0  # interpreter, torch, tokenizer
     probe = dev.probe_memory(device)  # before our weights: on a GPU, "in use" means others
-    limits = size_limits(cfg.max_num_seqs, cfg.max_num_batched_tokens, device.type, probe.total,
-                         mcfg.hidden_size, mcfg.intermediate_size,
-                         torch.empty((), dtype=dtype).element_size(),
-                         device.type != "cpu" or dev.cpu_has_fast_bf16())
-    log.info(limits.line())
-    cfg = dataclasses.replace(cfg, max_num_seqs=limits.max_num_seqs,
-                              max_num_batched_tokens=limits.max_num_batched_tokens)
+    cfg = _with_step_limits(cfg, mcfg, device, dtype, probe.total)
     # Only now the kernels (loaded from scripts/setup.sh's builds; a changed source builds here).
     backend = cfg.attention_backend or kernels.default_backend(device)
     fused = ops.parse_fused_ops(cfg.fused_ops, backend)
@@ -235,24 +229,7 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     # than the benchmark's steps ever use.
     if dev.keep_freed_heap(device):
         warm_heap(model, mcfg, cfg, dtype, device, backend)
-    elt = torch.empty((), dtype=dtype).element_size()
-    # One block id addresses a target block and (with a draft model) a draft block: budget both.
-    per_token = mcfg.kv_bytes_per_token + (draft[1].kv_bytes_per_token if draft else 0)
-    breq = BudgetRequest(
-        weights=weights + (draft[2] if draft else 0) + rope, peak_activations=peak,
-        bytes_per_block=per_token * cfg.block_size * elt,
-        block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
-        max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
-        gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
-        num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime,
-        max_num_seqs=cfg.max_num_seqs)
-    if tp is None:
-        budget = plan(probe, breq)
-        log.info(budget.startup_line())
-    else:
-        from flatserve.distributed.parallel import agree_budget
-
-        budget = agree_budget(probe, breq, tp)
+    budget = _plan_budget(cfg, mcfg, dtype, probe, tp, draft, weights + rope, peak, runtime)
     if budget.max_model_len < longest:  # the budget capped the context: smaller tables
         for m in models:
             for r in share_rope_tables(m):
@@ -272,6 +249,42 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
                         _eos_ids(mcfg, tokenizer, src), weights, fused, gemm, cfg,
                         tuple((k, n, b) for k, (n, b) in sorted(summary(model).items())))
     return state, tokenizer, runner, draft_runner
+
+
+def _with_step_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
+                      dtype: torch.dtype, total: int) -> EngineConfig:
+    """cfg with max_num_seqs / max_num_batched_tokens sized by the device where unset."""
+    limits = size_limits(cfg.max_num_seqs, cfg.max_num_batched_tokens, device.type, total,
+                         mcfg.hidden_size, mcfg.intermediate_size,
+                         torch.empty((), dtype=dtype).element_size(),
+                         device.type != "cpu" or dev.cpu_has_fast_bf16())
+    log.info(limits.line())
+    return dataclasses.replace(cfg, max_num_seqs=limits.max_num_seqs,
+                               max_num_batched_tokens=limits.max_num_batched_tokens)
+
+
+def _plan_budget(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, probe: Any,
+                 tp: TPGroup | None, draft: tuple | None, weights: int, peak: int,
+                 runtime: int) -> Any:
+    """The memory budget (memory.plan; with tensor parallelism agreed by the ranks)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    # One block id addresses a target block and (with a draft model) a draft block: budget both.
+    per_token = mcfg.kv_bytes_per_token + (draft[1].kv_bytes_per_token if draft else 0)
+    breq = BudgetRequest(
+        weights=weights + (draft[2] if draft else 0), peak_activations=peak,
+        bytes_per_block=per_token * cfg.block_size * elt,
+        block_size=cfg.block_size, model_max_len=mcfg.max_position_embeddings,
+        max_model_len=cfg.max_model_len, os_reserve_gb=_os_reserve(cfg),
+        gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory=cfg.kv_cache_memory,
+        num_blocks_override=cfg.num_gpu_blocks_override, runtime=runtime,
+        max_num_seqs=cfg.max_num_seqs)
+    if tp is None:
+        budget = plan(probe, breq)
+        log.info(budget.startup_line())
+        return budget
+    from flatserve.distributed.parallel import agree_budget
+
+    return agree_budget(probe, breq, tp)
 
 
 def _preflight(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, probe: Any,
