@@ -51,8 +51,9 @@ class EngineConfig:
     # bounds, rescoring the few rows that can win in bf16 (flatserve/model/greedy_head.py): the
     # same tokens, half the head's bytes, +171 MB for the default model. None (auto): only where
     # the linears are the AVX2 kernel (no native bf16: there one stream needs it, 0.73x llama-server
-    # with it, ~0.5x estimated without from the bf16 head's 1.4x time), not on AMX (one stream 1.32x with it, 0.98x without, and the copy took bf16
-    # peak RSS at 16 streams over 1.2 GiB: docs/performance-cpu.md).
+    # with it, ~0.5x estimated without from the bf16 head's 1.4x time), not on AMX (one stream
+    # 1.32x with it, 0.98x without, and the copy took bf16 peak RSS at 16 streams over 1.2 GiB:
+    # docs/performance-cpu.md).
     greedy_int8_head: bool | None = None
     served_model_name: str | None = None
     chat_template: str | None = None  # path to a Jinja template overriding the model's
