@@ -295,14 +295,9 @@ def _dot_kernel(x_ptr, c_ptr, s_ptr, part_ptr, out_ptr, lock_ptr, M, N, nblk, st
                          mask=mask_m[None, :], other=0.0)  # [32, BM]
             w = _weights(c_ptr, s_ptr, rnc, nblk, kb0 + i, FMT, BLOCK_N).to(xt.dtype)
             acc += tl.dot(w, xt, input_precision="ieee", out_dtype=tl.float32)
-    mask = mask_m[None, :] & (rn < N)[:, None]
-    if SPLITS == 1:
-        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)
-    else:
-        tl.store(part_ptr + (pid_s * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
-        if FUSED:
-            _finish_split(part_ptr, out_ptr, lock_ptr, pid_n, M, N, stride_om, SPLITS, BLOCK_M, BLOCK_N)
+    _store_tile(acc, out_ptr, part_ptr, pid_s, rm, rn, mask_m, M, N, stride_om, SPLITS)
+    if SPLITS > 1 and FUSED:
+        _finish_split(part_ptr, out_ptr, lock_ptr, pid_n, M, N, stride_om, SPLITS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -336,6 +331,13 @@ def _gemm_kernel(x_ptr, c_ptr, s_ptr, part_ptr, out_ptr, M, N, nblk, stride_xm, 
         w = tl.reshape(_values(tl.reshape(v, (BLOCK_N * KB, W)), FMT), (BLOCK_N, KB, 32))
         w = tl.reshape(w * d[:, :, None], (BLOCK_N, KB * 32)).to(xt.dtype)
         acc = tl.dot(w, xt, acc, input_precision="ieee", out_dtype=tl.float32)
+    _store_tile(acc, out_ptr, part_ptr, pid_s, rm, rn, mask_m, M, N, stride_om, SPLITS)
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, part_ptr, pid_s, rm, rn, mask_m, M, N, stride_om, SPLITS: tl.constexpr):
+    """acc^T [BLOCK_N, BLOCK_M] (rows rm, columns rn) -> out in its dtype, or with SPLITS > 1
+    split pid_s's fp32 partial -> part [SPLITS, M, N]."""
     mask = mask_m[None, :] & (rn < N)[:, None]
     if SPLITS == 1:
         tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
