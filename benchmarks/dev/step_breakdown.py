@@ -4,6 +4,9 @@
     # MoE split (attention `_attn_kernel`, MoE `_route_kernel`/`_moe_gemm_kernel`, dense cuBLAS):
     PYTHONPATH=. python3 benchmarks/dev/step_breakdown.py --shape qwen3-30b-a3b --batch 64 --profile \
         --no-async-scheduling
+    # one-stream decode, 4-bit weights (the planar GEMV) against bf16:
+    PYTHONPATH=. python3 benchmarks/dev/step_breakdown.py --shape llama-3-8b --load-format dummy \
+        --batch 1 --profile --no-async-scheduling [--quantization q4_0]
 
 Phases (CUDA-synchronised between them, so the sum is an upper bound of one step's wall time):
 schedule (scheduler), build (numpy packing + H2D copies), forward (graph replay or eager
@@ -140,7 +143,7 @@ def kernel_profile(runner, eng, build_flat_batch) -> str:
     """torch.profiler table of the kernels inside 5 forwards (graph replays keep their kernels)."""
     out = eng.scheduler.schedule()
     fb = build_flat_batch(out, runner.block_size, runner.device)
-    table = _kernel_table(lambda: runner.forward_logits(fb), 5, 18)
+    table = _kernel_table(lambda: runner.forward_logits(fb), 5, 40)
     eng.scheduler.update(out, {s.request.request_id: [0] for s in out.scheduled})
     return table
 
@@ -172,6 +175,7 @@ def main() -> None:
                     "many tokens (prompts of --ctx tokens), profiled with --profile")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="dummy: random weights from the config alone (no checkpoint written)")
+    ap.add_argument("--quantization", default=None, help="q4_0 | q8_0 at load (the CUDA planar path)")
     ap.add_argument("--out", default="bench_out/step_breakdown.json")
     a = ap.parse_args()
     import torch
@@ -186,9 +190,10 @@ def main() -> None:
     batches = [int(b) for b in a.batch.split(",")]
     llm = LLM(model=a.ckpt, dtype="bfloat16", max_num_seqs=max(batches), max_num_batched_tokens=32768,
               max_model_len=a.ctx + a.steps * 3 + 64, enforce_eager=a.enforce_eager, fused_ops=a.fused_ops,
-              async_scheduling=a.async_scheduling, load_format=a.load_format)
+              async_scheduling=a.async_scheduling, load_format=a.load_format,
+              quantization=a.quantization)
     m = llm.engine.state.model
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weights = llm.engine.state.weights_bytes  # as loaded (a --quantization's blocks and scales)
     kv_per_tok = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
     bw = copy_bandwidth()
     rows = []

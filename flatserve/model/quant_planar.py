@@ -23,8 +23,8 @@ row lookups, the torch reference).
 Kernels, each checked against the torch reference (tests/model/test_quant_triton.py, in the
 Triton interpreter on a CPU and compiled on CUDA):
 - up to FMA_ROWS rows: `_fma_kernel`, fp32 FMAs; codes to floats by masking each nibble in place
-  into the mantissa of 2^23 (x scaled by the nibble's power of 16, once per thread for all its
-  columns, not per weight) and the zero point taken out of the block's sum of x;
+  into the mantissa of a power of 2 chosen per nibble position, so one FADD gives q - 8 exactly
+  (no scaling of x, no zero-point sum), the scales loaded in the codes' register layout;
 - from 3 rows to 128 (256 for weights of >= 2^25 values; `use_gemm`): `_gemm_kernel`, a GEMM
   tiled over rows and columns (16-256 x 64-128), the weights dequantized in registers (the
   reference's bits: d * (q - 8) in fp32, rounded to x's dtype) into tensor-core products, no
@@ -105,122 +105,135 @@ def to_blocks(p: torch.Tensor, fmt: Format, rows: torch.Tensor | None = None) ->
 
 
 @triton.jit
-def _mantissa(v, mask: tl.constexpr, magic):
-    """(v & mask) placed in the mantissa of 2^23 (magic = its bits, 0x4B000000), less 2^23: the
-    field's value times its bit position's power of 2 (exact for fields below bit 23). magic is
-    a kernel argument, not a constant: in a register, it leaves LOP3's one immediate to the
-    mask (with both constant, ptxas moved a mask into a register before each use)."""
-    return ((v & mask) | magic).to(tl.float32, bitcast=True) - 8388608.0
+def _field(v, mask: tl.constexpr, magic, off: tl.constexpr):
+    """(v & mask) in the mantissa of a power of 2 (magic = its bits), less off: with the field
+    at bits 4s (8s), magic = 2^(23 - 4s) (2^(23 - 8s)) makes the field's units 1, and off =
+    that power + the zero point gives q - zero exactly (ints below 2^24). magic is a register
+    (computed from a kernel argument), not a constant: LOP3 takes one immediate, the mask (with
+    both constant, ptxas moved a mask into a register before each use)."""
+    return ((v & mask) | magic).to(tl.float32, bitcast=True) - off
 
 
 @triton.jit
-def _fma_step(v, d, x_ptr, stride_xm, kb0, xoff, magic, acc0, acc1, acc2, acc3, FMT: tl.constexpr,
-              ROWS: tl.constexpr):
-    """One step of _fma_kernel: codes v [BN, KB, W], scales d [BN, KB] fp32 into the rows'
-    [BN, KB] accumulators."""
+def _fma_step(v, d, x_ptr, stride_xm, kb0, xoff, m0, m1, m2, m3, acc0, acc1, acc2, acc3,
+              FMT: tl.constexpr, ROWS: tl.constexpr):
+    """One step of _fma_kernel: codes v [BN, KB, W], scales d [BN, KB, 1] fp32 (the codes'
+    layout) into the rows' accumulators; m0..m3 the bits of 2^23, 2^19, 2^15, 2^11
+    (_field). Each weight is q - zero in fp32 from one LOP3 and one FADD, then one FFMA with x:
+    no scaling of x by 16^-s and no zero-point sum (which cost ~60 of the 382 instructions of a
+    step of 64 weights a thread, sm_90 SASS)."""
     if FMT == 0:
         v = v ^ -2139062144  # 0x80808080: int8 q -> q + 128 in each byte
     lo = v
-    hi = v >> 16  # the masks below take bits 0-15 only
+    hi = (v.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # logical: one SHF
     if FMT == 1:
-        f0 = _mantissa(lo, 0xF, magic)
-        f1 = _mantissa(lo, 0xF0, magic)
-        f2 = _mantissa(lo, 0xF00, magic)
-        f3 = _mantissa(lo, 0xF000, magic)
-        g0 = _mantissa(hi, 0xF, magic)
-        g1 = _mantissa(hi, 0xF0, magic)
-        g2 = _mantissa(hi, 0xF00, magic)
-        g3 = _mantissa(hi, 0xF000, magic)
+        f0 = _field(lo, 0xF, m0, 8388616.0)
+        f1 = _field(lo, 0xF0, m1, 524296.0)
+        f2 = _field(lo, 0xF00, m2, 32776.0)
+        f3 = _field(lo, 0xF000, m3, 2056.0)
+        g0 = _field(hi, 0xF, m0, 8388616.0)
+        g1 = _field(hi, 0xF0, m1, 524296.0)
+        g2 = _field(hi, 0xF00, m2, 32776.0)
+        g3 = _field(hi, 0xF000, m3, 2056.0)
     else:
-        f0 = _mantissa(lo, 0xFF, magic)
-        f1 = _mantissa(lo, 0xFF00, magic)
-        g0 = _mantissa(hi, 0xFF, magic)
-        g1 = _mantissa(hi, 0xFF00, magic)
+        f0 = _field(lo, 0xFF, m0, 8388736.0)
+        f1 = _field(lo, 0xFF00, m2, 32896.0)
+        g0 = _field(hi, 0xFF, m0, 8388736.0)
+        g1 = _field(hi, 0xFF00, m2, 32896.0)
     for r in tl.static_range(ROWS):
         xr = x_ptr + r * stride_xm + kb0 * 32 + xoff
         if FMT == 1:
-            x0 = tl.load(xr).to(tl.float32)
-            x1 = tl.load(xr + 4).to(tl.float32)
-            x2 = tl.load(xr + 8).to(tl.float32)
-            x3 = tl.load(xr + 12).to(tl.float32)
-            x4 = tl.load(xr + 16).to(tl.float32)
-            x5 = tl.load(xr + 20).to(tl.float32)
-            x6 = tl.load(xr + 24).to(tl.float32)
-            x7 = tl.load(xr + 28).to(tl.float32)
-            zero = (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7) * 8.0
-            t = f0 * x0 + f1 * (x1 * 0.0625) + f2 * (x2 * 0.00390625) + f3 * (x3 * 0.000244140625) \
-                + g0 * x4 + g1 * (x5 * 0.0625) + g2 * (x6 * 0.00390625) + g3 * (x7 * 0.000244140625) \
-                - zero
+            t = f0 * tl.load(xr).to(tl.float32) + f1 * tl.load(xr + 4).to(tl.float32) \
+                + f2 * tl.load(xr + 8).to(tl.float32) + f3 * tl.load(xr + 12).to(tl.float32) \
+                + g0 * tl.load(xr + 16).to(tl.float32) + g1 * tl.load(xr + 20).to(tl.float32) \
+                + g2 * tl.load(xr + 24).to(tl.float32) + g3 * tl.load(xr + 28).to(tl.float32)
         else:
-            x0 = tl.load(xr).to(tl.float32)
-            x1 = tl.load(xr + 8).to(tl.float32)
-            x2 = tl.load(xr + 16).to(tl.float32)
-            x3 = tl.load(xr + 24).to(tl.float32)
-            zero = (x0 + x1 + x2 + x3) * 128.0
-            t = f0 * x0 + f1 * (x1 * 0.00390625) + g0 * x2 + g1 * (x3 * 0.00390625) - zero
-        s = tl.sum(t, axis=2) * d  # [BN, KB]
+            t = f0 * tl.load(xr).to(tl.float32) + f1 * tl.load(xr + 8).to(tl.float32) \
+                + g0 * tl.load(xr + 16).to(tl.float32) + g1 * tl.load(xr + 24).to(tl.float32)
+        # q4_0: the block's W partial sums stay apart until the end (one FFMA each, no shuffle);
+        # q8_0 (a block over two threads, whose scale layout differs): summed first, as [BN, KB,
+        # 1] (kept in [BN, KB, 8], its accumulators and a conversion of t took 168 registers
+        # at 2 rows)
+        if FMT == 0:
+            t = tl.sum(t, axis=2, keep_dims=True)
         if r == 0:
-            acc0 += s
+            acc0 += t * d
         elif r == 1:
-            acc1 += s
+            acc1 += t * d
         elif r == 2:
-            acc2 += s
+            acc2 += t * d
         else:
-            acc3 += s
+            acc3 += t * d
     return acc0, acc1, acc2, acc3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_step"])
 def _fma_kernel(x_ptr, c_ptr, s_ptr, part_ptr, out_ptr, lock_ptr, N, nblk, stride_xm, stride_om,
-                blocks_per_split, magic, FMT: tl.constexpr, ROWS: tl.constexpr,
+                blocks_per_split, magic, s_step, FMT: tl.constexpr, ROWS: tl.constexpr,
                 BLOCK_N: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr,
                 SPLITS: tl.constexpr, FUSED: tl.constexpr):
     """out[:ROWS, cols] = x @ W^T, this program's share of K (blocks_per_split blocks, KB a step;
     with SPLITS > 1 its fp32 partial to part[split], summed by _finish_split or the host's
     _split_sum_kernel).
 
-    q4_0: nibble s of word w is value 4s + w; the word's low half gives s = 0..3 as q * 16^s
-    (_mantissa, no shift), its high half s = 4..7, and x_s = x[4s + w], w = 0..3, is loaded as
-    a [1, KB, 4] tile in the codes' own layout (no layout conversion) and scaled by 16^-s
-    (exact), once per thread for all its columns. q8_0 likewise with bytes (q + 128 through an
-    xor; value 8s + w). The zero point (8, 128) comes off as 8 * sum(x).
-    STAGES 0: the next step's codes loaded into registers before this step's arithmetic; else
-    Triton's pipeliner, STAGES steps in flight through shared memory (cp.async)."""
+    q4_0: nibble s of word w is value 4s + w; the word's low half gives s = 0..3 as q - 8
+    (_field, no shift), its high half s = 4..7, and x_s = x[4s + w], w = 0..3, is loaded as
+    a [1, KB, 4] tile in the codes' own layout (no layout conversion). q8_0 likewise with bytes
+    (q + 128 through an xor; value 8s + w).
+    The scales load as [BN, KB, 1] in the codes' layout too: s_step (= 1, not specialised) hides
+    their contiguity from Triton's coalescing, which otherwise gave them a vector layout of their
+    own and a shared-memory conversion (two barriers) every step (SASS, sm_90, Triton 3.9).
+    STAGES 0: the codes two steps ahead loaded into registers during this step (ptxas issues the
+    loads at the loop's end: one step ahead left their latency exposed); 1: one step ahead;
+    else Triton's pipeliner, STAGES steps in flight through shared memory (cp.async)."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     W: tl.constexpr = 4 if FMT == 1 else 8  # int32 code words per block
-    b = tl.arange(0, KB)
+    b = tl.arange(0, KB)[None, :, None]
     wi = tl.arange(0, W)[None, None, :]
-    crow = c_ptr + (tl.minimum(rn, N - 1).to(tl.int64) * nblk)[:, None, None] * W \
-        + (b[None, :, None] * W + wi)  # [BN, KB, W]
-    srow = s_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * nblk + b[None, :]  # [BN, KB]
-    xoff = b[None, :, None] * 32 + wi  # [1, KB, W]: x_s at xoff + s W
-    # [BN, KB] accumulators, summed over KB once at the end (no cross-thread sum per step)
-    acc0 = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
+    row = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None] * nblk
+    crow = c_ptr + row * W + (b * W + wi)  # [BN, KB, W]
+    srow = s_ptr + row + b * s_step  # [BN, KB, 1]
+    m1, m2, m3 = magic - 0x2000000, magic - 0x4000000, magic - 0x6000000  # 2^19, 2^15, 2^11
+    xoff = b * 32 + wi  # [1, KB, W]: x_s at xoff + s W
+    # [BN, KB, W] accumulators (q8_0: [BN, KB, 1]), summed once at the end
+    AW: tl.constexpr = W if FMT == 1 else 1
+    acc0 = tl.zeros((BLOCK_N, KB, AW), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, KB, AW), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, KB, AW), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, KB, AW), dtype=tl.float32)
     first = pid_s * blocks_per_split
     end = first + blocks_per_split
-    if STAGES == 0:
+    if STAGES <= 1:
+        AHEAD: tl.constexpr = 2 if STAGES == 0 else 1
         v_next = tl.load(crow + first * W)
         d_next = tl.load(srow + first)
+        if AHEAD == 2:
+            more = first + KB + b < end  # [1, KB, 1]: all true or all false
+            v_far = tl.load(crow + (first + KB) * W, mask=more, other=0)
+            d_far = tl.load(srow + first + KB, mask=more, other=0.0)
         for kb0 in range(first, end, KB):
             v, d = v_next, d_next.to(tl.float32)
-            more = kb0 + KB + b < end  # [KB]: all true or all false
-            v_next = tl.load(crow + (kb0 + KB) * W, mask=more[None, :, None], other=0)
-            d_next = tl.load(srow + kb0 + KB, mask=more[None, :], other=0.0)
-            acc0, acc1, acc2, acc3 = _fma_step(v, d, x_ptr, stride_xm, kb0, xoff, magic,
+            more = kb0 + AHEAD * KB + b < end
+            if AHEAD == 2:
+                v_next, d_next = v_far, d_far
+                v_far = tl.load(crow + (kb0 + 2 * KB) * W, mask=more, other=0)
+                d_far = tl.load(srow + kb0 + 2 * KB, mask=more, other=0.0)
+            else:
+                v_next = tl.load(crow + (kb0 + KB) * W, mask=more, other=0)
+                d_next = tl.load(srow + kb0 + KB, mask=more, other=0.0)
+            acc0, acc1, acc2, acc3 = _fma_step(v, d, x_ptr, stride_xm, kb0, xoff, magic, m1, m2, m3,
                                                acc0, acc1, acc2, acc3, FMT, ROWS)
     else:
         for kb0 in tl.range(first, end, KB, num_stages=STAGES):
             v = tl.load(crow + kb0 * W)
             d = tl.load(srow + kb0).to(tl.float32)
-            acc0, acc1, acc2, acc3 = _fma_step(v, d, x_ptr, stride_xm, kb0, xoff, magic,
+            acc0, acc1, acc2, acc3 = _fma_step(v, d, x_ptr, stride_xm, kb0, xoff, magic, m1, m2, m3,
                                                acc0, acc1, acc2, acc3, FMT, ROWS)
     for r in tl.static_range(ROWS):
-        acc = tl.sum(acc0 if r == 0 else (acc1 if r == 1 else (acc2 if r == 2 else acc3)), axis=1)
+        a = acc0 if r == 0 else (acc1 if r == 1 else (acc2 if r == 2 else acc3))
+        acc = tl.sum(tl.sum(a, axis=2), axis=1)
         if SPLITS == 1:
             tl.store(out_ptr + r * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
         else:
@@ -403,7 +416,7 @@ def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
         torch.mm(x, dense.t(), out=out) if out.is_contiguous() else out.copy_(x @ dense.t())
         return
     fma = M <= FMA_ROWS
-    bn, kb, splits, warps, stages = tiles or _tiles(x.device, N, nblk, M)
+    bn, kb, splits, warps, stages = tiles or _tiles(x.device, N, nblk, M, code)
     per = nblk // splits
     assert per * splits == nblk and per % kb == 0, (nblk, kb, splits)
     part = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
@@ -415,7 +428,7 @@ def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
     locks = locks if fused else part
     if fma:
         _fma_kernel[grid](x, codes, scales, part, out, locks, N, nblk, x.stride(0), out.stride(0), per,
-                          0x4B000000, FMT=code, ROWS=M, BLOCK_N=bn, KB=kb, STAGES=stages,
+                          0x4B000000, 1, FMT=code, ROWS=M, BLOCK_N=bn, KB=kb, STAGES=stages,
                           SPLITS=splits, FUSED=fused, num_warps=warps)
     else:
         _dot_kernel[grid](x, codes, scales, part, out, locks, M, N, nblk, x.stride(0), out.stride(0), per,
@@ -481,19 +494,33 @@ def _gemm_tiles(device: torch.device, m: int, n: int, nblk: int, bm: int | None 
     return bm, bn, kb, splits, warps, 3
 
 
-def _tiles(device: torch.device, n: int, nblk: int, rows: int) -> tuple[int, int, int, int, int]:
+def _tiles(device: torch.device, n: int, nblk: int, rows: int, code: int = 1) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, KB, splits, warps, stages), near the best of benchmarks/dev/quant_gemm_gpu.py
-    --planar --tiles on an H100 (2026-11-27, Llama-3-8B's four shapes, q4_0 and q8_0): the FMA
-    kernel 64 columns, 4 blocks a step, the next step prefetched into registers (stages 0;
-    Triton's cp.async pipeliner was slower), 4 warps, K split at least in 4; the tensor-core
-    kernel 128 columns, 2 blocks a step, 3 stages; K split at least in 4, and further
-    until there are >= 2.5 programs per SM."""
+    --planar --tiles on an H100 (Llama-3-8B's four shapes). The FMA kernel (2026-11-27, after its
+    scales moved into the codes' layout, q4_0, one row, 60 tiles): the next step prefetched into
+    registers (stages 1; 2 steps ahead and Triton's cp.async pipeliner were slower), 8 blocks a
+    step for K >= 8192 (down 25.6 us against 27.3 at 4), 128 columns on 8 warps for N <= 8192
+    (qkv 14.0 / o 10.7 us against 14.5 / 11.3 at 64 on 4 warps), else 64 on 4 warps; K split in
+    2 to 8 until >= 2.5 programs per SM (gate_up: 2); q8_0 (32-byte blocks) 64 columns and 4
+    blocks a step. At two rows 64 columns, 4 blocks a step, 4 warps, K split at least in 4
+    (q4_0 qkv / gate_up / down 17.9 / 65.0 / 33.9 us against 20.9 / 67.4 / 38.1 with the one-row
+    tiles); q8_0 there through the pipeliner (stages 3: 21.3 / 16.9 / 77.6 / 42.4 us against
+    HEAD's 20.6 / 15.4 / 74.3 / 45.9; registers one step ahead 22.3 / 16.0 / 85.1 / 43.1).
+    The tensor-core kernel 128 columns, 2 blocks a step, 3 stages; K split at
+    least in 4, and further until there are >= 2.5 programs per SM."""
     # The Triton interpreter (tests): a 2-SM device, so K still splits.
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    fma = rows <= FMA_ROWS
-    bn, kb, stages, least = (64, 4, 0, 4) if fma else (128, 2, 3, 4)
-    kb = next(k for k in (kb, 2, 1) if nblk % k == 0)
+    if rows == 1:
+        kb = 8 if code == 1 and nblk >= 256 else 4
+        bn = 128 if code == 1 and kb == 4 and n <= 8192 else 64
+        warps, stages, least, most = bn // 16, 1, 2, 8
+    elif rows <= FMA_ROWS:
+        bn, kb, warps, stages, least, most = 64, 4, 4, 1 if code == 1 else 3, 4, 64
+    else:
+        bn, kb, stages, least, most, warps = 128, 2, 3, 4, 64, 4
+    kb = next(k for k in (kb, 4, 2, 1) if nblk % k == 0)
     tiles, splits = triton.cdiv(n, bn), 1
-    while (splits < least or tiles * splits * 2 < 5 * sms) and nblk % (2 * splits * kb) == 0:
+    while (splits < least or tiles * splits * 2 < 5 * sms) and splits < most \
+            and nblk % (2 * splits * kb) == 0:
         splits *= 2
-    return bn, kb, splits, 4, stages
+    return bn, kb, splits, warps, stages

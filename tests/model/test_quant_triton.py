@@ -49,8 +49,10 @@ for name in quant_planar.FORMATS:
         w = dequantize(raw, fmt, k)
         x = torch.randn(m, k, generator=g)
         ref = x.double() @ w.double().t()
-        # the auto tiles; at FMA rows also the other loop (STAGES 0: prefetch into registers)
-        for tiles in (None, (64, 4, 2, 4, 0)) if m <= quant_planar.FMA_ROWS and k >= 256 else (None,):
+        # the auto tiles; at FMA rows also the other loops (STAGES 0: two steps ahead in
+        # registers, 1: one step, 3: Triton's pipeliner) and 8 blocks a step
+        other = ((64, 4, 2, 4, 0), (128, 8, 2, 8, 1), (64, 4, 2, 4, 3))
+        for tiles in (None, *other) if m <= quant_planar.FMA_ROWS and k >= 512 else (None,):
             out = torch.full((m, n), float("nan"), device=dev)
             quant_planar.qgemm(x.to(dev), p, fmt, out, tiles)
             err = ((out.cpu().double() - ref).norm() / ref.norm()).item()

@@ -216,7 +216,16 @@ def choose_segments(meta: AttentionMetadata, num_kv_heads: int, num_sms: int) ->
     """Split KV only for decode-only batches that leave the GPU under-filled (host ints only)."""
     if not meta.is_decode_only or meta.max_seq_len < 1024:
         return 1
-    programs = meta.num_seqs * num_kv_heads
+    return fill_segments(meta.num_seqs, num_kv_heads, num_sms)
+
+
+def fill_segments(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """KV segments (a power of 2, <= 16) for a decode grid of num_seqs x num_kv_heads programs
+    to reach SPLIT_TARGET programs per SM. Each program takes its share of the tiles from its
+    sequence's length on the device (a segment past the end merges with weight 0), so a decode
+    graph can bake it in for any length (graphs.py): at one sequence of Llama-3-8B (8 KV heads,
+    context ~531, H100) the unsplit kernel took 19.3 us a layer, 0.62 ms of a 4.6 ms q4_0 step."""
+    programs = num_seqs * num_kv_heads
     want = SPLIT_TARGET * num_sms
     if programs >= want:
         return 1
