@@ -4,7 +4,8 @@ Padded rows (bucket size > real sequences) carry slot -1 (the KV write skips the
 length 1 over the null block 0, and their logits are never read. The attention metadata's host
 fields are baked at capture (max_q_len 1, num_seqs = bucket), and so is the split-KV factor:
 buckets whose sequences x KV heads leave the SMs under-filled split KV (fill_segments; each
-program finds its tiles from the device's sequence lengths, so any length is correct).
+program finds its tiles from the device's sequence lengths, so any length is correct), by the
+same rule as an eager decode step of that batch (choose_segments), so both give the same bits.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flatserve.attention.kernels.unified_attention import fill_segments
+from flatserve.attention.kernels.unified_attention import decode_bucket, fill_segments
 from flatserve.attention.metadata import AttentionMetadata, forward_context
 
 
@@ -60,7 +61,7 @@ class DecodeGraphs:
             cu_seqlens_q=f.cu_seqlens_q[:b + 1], seq_lens=f.seq_lens[:b], block_table=f.block_table[:b],
             slot_mapping=f.slot_mapping[:b], max_q_len=1, max_seq_len=self.max_model_len,
             cu_seqlens_q_host=list(range(b + 1)), seq_lens_host=[self.max_model_len] * b,
-            segments=fill_segments(b, self.kv_heads, self.sms))
+            segments=fill_segments(decode_bucket(b), self.kv_heads, self.sms))
 
     @torch.inference_mode()
     def capture(self) -> None:

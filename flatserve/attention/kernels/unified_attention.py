@@ -212,11 +212,19 @@ def build_seq_map(meta: AttentionMetadata, block_q: int) -> list[int]:
 SPLIT_TARGET = float(os.environ.get("FLATSERVE_SPLIT_TARGET", "2"))
 
 
+def decode_bucket(num_seqs: int) -> int:
+    """The decode graphs' batch bucket for num_seqs sequences (graphs.capture_sizes: 1, 2, 4, 8,
+    then multiples of 8; a last bucket of max_num_seqs maps to its multiple of 8 here too)."""
+    return 1 << (num_seqs - 1).bit_length() if num_seqs <= 8 else -(-num_seqs // 8) * 8
+
+
 def choose_segments(meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> int:
-    """Split KV only for decode-only batches that leave the GPU under-filled (host ints only)."""
-    if not meta.is_decode_only or meta.max_seq_len < 1024:
+    """Split KV only for decode-only batches that leave the GPU under-filled (host ints only),
+    by the batch's graph bucket: an eager step and a graph replay of the same batch split alike,
+    so their tokens are the same bits (tests/test_cuda_e2e.py)."""
+    if not meta.is_decode_only:
         return 1
-    return fill_segments(meta.num_seqs, num_kv_heads, num_sms)
+    return fill_segments(decode_bucket(meta.num_seqs), num_kv_heads, num_sms)
 
 
 def fill_segments(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
