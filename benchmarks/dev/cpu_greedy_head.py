@@ -25,7 +25,6 @@ sys.path.insert(0, ".")
 def main() -> None:
     from benchmarks.common import make_prompts
     from flatserve import LLM, SamplingParams, kernels
-    from flatserve.model.greedy_head import x_stats
     from flatserve.model.quant import kernel as greedy_q4_ext
 
     ap = argparse.ArgumentParser()
@@ -89,8 +88,7 @@ def main() -> None:
                 _, cnt = greedy_q4_ext().greedy_q4_argmax(x, greedy.copy, head.qweight0, greedy.wmax)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
             else:
-                off, _, _ = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
-                                                    x_stats(x))
+                off, _, _ = greedy.candidates(x)
             kern_t.append(time.perf_counter() - t3)
             counts += (off[1:] - off[:-1]).tolist()
         f, g = statistics.median(full_t) * 1e3, statistics.median(int8_t) * 1e3

@@ -86,6 +86,16 @@ def greedy_layout(u: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
     return out
 
 
+def q_norms(u: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """u [N, K] (q + 64) -> [N] fp32 |q_n|_2, in float64 and rounded up: the AVX2 pass's first
+    stage bounds s_n (x - x') . q_n by s_n |x - x'|_2 |q_n|_2 (csrc/greedy_avx2.h, rows)."""
+    out = torch.empty(u.shape[0], dtype=torch.float32)
+    for i in range(0, u.shape[0], chunk):
+        q = u[i:i + chunk].double() - 64
+        out[i:i + chunk] = (q.pow(2).sum(1).sqrt() * (1 + 2.0**-20)).float()
+    return out
+
+
 def x_stats(x: torch.Tensor) -> torch.Tensor:
     """[M] fp32: |x_t|_1, rounded up for its own K-term sum."""
     return (x.float().abs().sum(1) * (1 + x.shape[1] * 2.0**-23)).contiguous()
@@ -106,6 +116,10 @@ class Int8GreedyHead(nn.Module):
         self.register_buffer("qweight", greedy_layout(u))  # uint8: q + 64
         self.register_buffer("scales", s)  # [N] fp32
         self.register_buffer("bounds", c)  # [N] fp32
+        # [N] fp32 |q_n|_2 for the AVX2 pass's first stage (the AMX pass has one stage)
+        from flatserve.model import avx2
+
+        self.register_buffer("qnorms", q_norms(u) if isinstance(head, avx2.AVX2Linear) else torch.empty(0))
         self.calls = self.fallbacks = 0  # calls, and those the bf16 head answered
 
     @property
@@ -117,8 +131,7 @@ class Int8GreedyHead(nn.Module):
         if x.shape[0] > MAX_ROWS or x.shape[0] == 0:
             return self._full(x)
         x = x.contiguous()
-        offsets, _, union = self.head.ext.greedy_candidates(x, self.qweight, self.scales,
-                                                            self.bounds, x_stats(x))
+        offsets, _, union = self.candidates(x)
         # No candidate (NaN in x), or so many that gathering them costs more than the head
         # (near-uniform logits, e.g. untrained weights): let the full head decide.
         empty = bool((offsets[1:] == offsets[:-1]).any())
@@ -146,6 +159,12 @@ class Int8GreedyHead(nn.Module):
             best_pos = torch.where(win, pos + i, best_pos)
             best = torch.where(win, val, best)
         return union[best_pos.clamp(max=union.numel() - 1)]
+
+    def candidates(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [M <= 16, K] bf16, contiguous -> (offsets [M + 1], rows, union) int64: each token's
+        candidate rows, ascending, and the union of them all (the kernels' greedy_candidates)."""
+        extra = (self.qnorms,) if self.qnorms.numel() else ()
+        return self.head.ext.greedy_candidates(x, self.qweight, self.scales, self.bounds, x_stats(x), *extra)
 
     def _full(self, x: torch.Tensor) -> torch.Tensor:
         self.fallbacks += 1

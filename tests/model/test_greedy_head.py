@@ -12,7 +12,7 @@ import torch
 
 from flatserve import kernels
 from flatserve.model import amx, avx2, greedy_head
-from flatserve.model.greedy_head import Int8GreedyHead, quantize_7bit, x_stats
+from flatserve.model.greedy_head import Int8GreedyHead, quantize_7bit
 
 
 def _avx2_vector() -> bool:
@@ -120,8 +120,7 @@ def test_bound_holds_against_float64(gemm: str) -> None:
     assert ((est - exact).abs() <= bound).all()
     head = _linear(gemm, w)
     greedy = Int8GreedyHead(head)
-    off, cand, union = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
-                                                  x_stats(x))
+    off, cand, union = greedy.candidates(x)
     assert union.tolist() == sorted(set(cand.tolist()))
     logits = head(x).float()
     for t in range(8):
@@ -149,10 +148,36 @@ def test_the_bound_covers_what_the_split_of_x_drops(gemm: str) -> None:
     x = x.bfloat16()
     logits = head(x).float()[0]
     assert kernels.row_argmax(head(x)).item() == b and logits[b] - logits[a] > 4
-    off, cand, _ = head.ext.greedy_candidates(x, greedy.qweight, greedy.scales, greedy.bounds,
-                                              x_stats(x))
+    off, cand, _ = greedy.candidates(x)
     assert b in cand[off[0]:off[1]].tolist()
     assert greedy(x).item() == b
+
+
+def test_the_first_stage_keeps_rows_that_only_the_low_bytes_reach(gemm: str) -> None:
+    """The AVX2 pass first scores every row against x's high bytes alone (x ~= 256 sx xh). Here
+    every channel but one holds 100 sx, which splits into xh = 0 and xl = 100: row b gains only
+    through those channels (its logit ~1,960), row a through the one large channel (~1,020). The
+    first stage sees b at ~0 and a at ~1,020; only its own error term (63 s |x - 256 sx xh|_1)
+    keeps b for the second stage, which finds it the argmax. A group of 32 rows is scored against
+    the threshold its thread's earlier groups set, so every group holds a copy of row a and b is
+    the last row: its thread has seen a before it at up to 32 threads (64 groups)."""
+    k, a, out = 640, 3, 7
+    w = torch.zeros(32 * 64, k)
+    b = w.shape[0] - 1
+    w[b] = 63 / 64
+    w[b, out] = 0
+    w[a::32, out] = 1.0
+    head = _linear(gemm, w.bfloat16())
+    greedy = Int8GreedyHead(head)
+    sx = 1024 / 32639  # the kernel's scale for max|x| = 1024
+    x = torch.full((1, k), 100 * sx)
+    x[0, out] = 1024
+    x = x.bfloat16()
+    logits = head(x).float()[0]
+    assert kernels.row_argmax(head(x)).item() == b and logits[b] - logits[a] > 500
+    off, cand, _ = greedy.candidates(x)
+    assert b in cand[off[0]:off[1]].tolist()
+    assert greedy(x).item() == b and greedy.fallbacks == 0
 
 
 def test_nan_and_many_rows_take_the_full_head(gemm: str) -> None:

@@ -399,19 +399,20 @@ bool vectorized() {
 
 // The AMX kernel's greedy_candidates (amx_gemm_cpu.cpp) on AVX2 (flatserve/csrc/greedy_avx2.h):
 // x [M <= 16, K] bf16; wq [N, K64] bytes q + 64 in greedy_head.greedy_layout's order; s, c [N]
-// fp32; xabs [M] fp32 -> (offsets [M + 1], rows, union) int64, as there.
+// fp32; xabs [M] fp32 -> (offsets [M + 1], rows, union) int64, as there. qn [N] fp32 (|q_n|_2
+// rounded up) bounds the first of the two stages (greedy_avx2.h rows).
 std::vector<at::Tensor> greedy_candidates(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& s,
-                                          const at::Tensor& c, const at::Tensor& xabs) {
+                                          const at::Tensor& c, const at::Tensor& xabs, const at::Tensor& qn) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) <= 16 &&
               wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous() &&
               wq.size(1) == (x.size(1) + 63) / 64 * 64 && wq.size(0) % 32 == 0,
               "avx2 greedy_candidates: x [M <= 16, K] bf16, wq [N % 32, K rounded up to 64] uint8; got x ",
               x.sizes(), ", wq ", wq.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = wq.size(0), K64 = wq.size(1);
-  TORCH_CHECK(s.numel() == N && c.numel() == N && xabs.numel() == M && s.is_contiguous() &&
-              c.is_contiguous() && xabs.is_contiguous() && s.scalar_type() == at::kFloat &&
-              c.scalar_type() == at::kFloat && xabs.scalar_type() == at::kFloat,
-              "avx2 greedy_candidates: s, c [N] and xabs [M] fp32");
+  TORCH_CHECK(s.numel() == N && c.numel() == N && qn.numel() == N && xabs.numel() == M && s.is_contiguous() &&
+              c.is_contiguous() && qn.is_contiguous() && xabs.is_contiguous() && s.scalar_type() == at::kFloat &&
+              c.scalar_type() == at::kFloat && qn.scalar_type() == at::kFloat && xabs.scalar_type() == at::kFloat,
+              "avx2 greedy_candidates: s, c, qn [N] and xabs [M] fp32");
   std::vector<int64_t> offsets(M + 1, 0), rows, all;
 #ifdef FLATSERVE_AVX2_GEMM
   namespace ga = flatserve::greedy_avx2;
@@ -422,8 +423,8 @@ std::vector<at::Tensor> greedy_candidates(const at::Tensor& x, const at::Tensor&
   std::vector<ga::Part> parts(P);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      ga::rows(wq.data_ptr<uint8_t>(), s.data_ptr<float>(), c.data_ptr<float>(), xabs.data_ptr<float>(),
-               x8, M, K64, G * p / P, G * (p + 1) / P, parts[p]);
+      ga::rows(wq.data_ptr<uint8_t>(), s.data_ptr<float>(), c.data_ptr<float>(), qn.data_ptr<float>(),
+               xabs.data_ptr<float>(), x8, M, K64, G * p / P, G * (p + 1) / P, parts[p]);
   });
   for (int64_t t = 0; t < M; ++t) {
     float best = -INFINITY;
