@@ -96,6 +96,30 @@ def test_the_cache_key_follows_source_and_level(tmp_path) -> None:
     assert kernels.Build("flatserve_test_key", src, "portable").dir != a.dir
 
 
+
+def test_the_cache_key_follows_the_headers_a_source_includes_and_no_other(tmp_path, monkeypatch) -> None:
+    """A header's edit changes the key of the sources that include it (directly or through
+    another header), and of no other source."""
+    from flatserve import kernel_build
+
+    hdr = tmp_path / "csrc"
+    hdr.mkdir()
+    (hdr / "a.h").write_text('#pragma once\n#include "b.h"\n')
+    (hdr / "b.h").write_text("#pragma once\nint b();\n")
+    (hdr / "c.h").write_text("#pragma once\nint c();\n")
+    monkeypatch.setattr(kernel_build, "_HEADERS", hdr)
+    uses_a, uses_c = tmp_path / "x.cpp", tmp_path / "y.cpp"
+    uses_a.write_text('#include "a.h"\n#include <vector>\nint f() { return b(); }\n')
+    uses_c.write_text('#  include "c.h"\nint g() { return c(); }\n')
+    assert kernel_build.shared_headers(uses_a) == [hdr / "a.h", hdr / "b.h"]
+    assert kernel_build.shared_headers(uses_c) == [hdr / "c.h"]
+    key = lambda s: kernels.Build("flatserve_test_key", s, "portable").dir  # noqa: E731
+    a0, c0 = key(uses_a), key(uses_c)
+    (hdr / "b.h").write_text("#pragma once\nint b(); // edited\n")
+    assert key(uses_a) != a0 and key(uses_c) == c0
+    (hdr / "c.h").write_text("#pragma once\nint c(); // edited\n")
+    assert key(uses_c) != c0
+
 def test_a_failed_build_is_remembered_and_reported_once(tmp_path, monkeypatch, caplog) -> None:
     """What every C++ path's fallback hangs on: the kernel is None with its reason, logged once;
     the next start (a new CpuKernel) reads the failure from disk instead of compiling again."""
