@@ -4,15 +4,24 @@ GGUF's own Q8_0 head (kept quantized) + argmax vs the bounded 4-bit greedy head
 (flatserve/model/greedy_q4.py).
 
     .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30] [--gguf]
+    .venv/bin/python benchmarks/dev/cpu_greedy_head.py --bits 7,6,5 [--random-prompts]
 
 Real hidden states: the final-norm outputs of the benchmark's 16 prompts (benchmarks/offline_cpu.py)
 over 24 greedy steps. For each row count, the two paths alternate on the same inputs (median
 ms); the tokens must agree, and the candidate rows per token are reported (median / max).
 Floor: the bf16 head reads N x K x 2 bytes, the 7-bit one N x K + 8 N.
+
+`--bits B,..`: no timing; how many rows a smaller copy would keep. For per-row symmetric copies
+of B bits (|q| <= 2^(B-1) - 1) of the bf16 head, in float64: a row n is a candidate for hidden
+row x when s_n (q_n . x) + e_n >= max_m (s_m (q_m . x) - e_m), e_n = min(|x|_1 max|w_n - s_n q_n|,
+|x|_2 |w_n - s_n q_n|_2) (the bound with no rounding terms, so a lower count than the kernels');
+per token, and the union over each 16 consecutive rows (a 16-stream step rescores the union).
+`--random-prompts`: 16 prompts of 256 random token ids (the serving benchmark's dataset) instead.
 """
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -31,6 +40,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--gguf", action="store_true", help="the quantized Q8_0 head and its 4-bit copy")
+    ap.add_argument("--bits", default="", help="candidate counts of B-bit copies (no timing)")
+    ap.add_argument("--random-prompts", action="store_true")
     a = ap.parse_args()
     llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, dequantize=not a.gguf,
               greedy_int8_head=None if a.gguf else True)
@@ -55,11 +66,15 @@ def main() -> None:
         return greedy_call(x)
 
     model.compute_logits, greedy.forward = keep, keep_greedy
-    llm.generate(make_prompts(16), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-                 use_tqdm=False)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 200_000) for _ in range(256)]} for _ in range(16)] \
+        if a.random_prompts else make_prompts(16)
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     model.compute_logits, greedy.forward = orig, greedy_call
     h = torch.cat(hidden)  # [R, K]
     head = greedy.head
+    if a.bits:
+        return bits_report(h, head.plain_weight(), [int(b) for b in a.bits.split(",")])
     if a.gguf:
         n, k = head.out_features, head.in_features
         print(f"{h.shape[0]} hidden rows; head {n} x {k}; Q8_0 reads {head.weight_bytes() / 1e6:.0f} MB, "
@@ -95,6 +110,30 @@ def main() -> None:
         kt = statistics.median(kern_t) * 1e3
         print(f"| {m} | {f:.2f} | {g:.2f} | {f / g:.2f}x | {kt:.2f} | {statistics.median(counts):.0f} / "
               f"{max(counts)} |", flush=True)
+
+
+def bits_report(h: torch.Tensor, w: torch.Tensor, bits: list[int]) -> None:
+    """Candidate rows per token and per 16-row union for B-bit per-row copies (--bits)."""
+    x = h[: h.shape[0] // 16 * 16].double()  # [R, K]
+    n = w.shape[0]
+    print(f"{x.shape[0]} hidden rows; head {n} x {w.shape[1]}")
+    print("| bits | candidates per token, median / max | union of 16 rows, median / max |")
+    print("|---|---|---|")
+    for b in bits:
+        levels = (1 << (b - 1)) - 1
+        est, err = torch.empty(x.shape[0], n, dtype=torch.float64), torch.empty(x.shape[0], n, dtype=torch.float64)
+        for i in range(0, n, 16384):
+            wc = w[i:i + 16384].double()
+            s = wc.abs().amax(1).clamp(min=1e-30) / levels
+            q = torch.round(wc / s[:, None]).clamp(-levels, levels) * s[:, None]
+            e = wc - q
+            est[:, i:i + 16384] = x @ q.T
+            err[:, i:i + 16384] = torch.minimum(x.abs().sum(1)[:, None] * e.abs().amax(1)[None],
+                                                x.norm(dim=1)[:, None] * e.norm(dim=1)[None])
+        cand = est + err >= (est - err).amax(1, keepdim=True)  # [R, N]
+        per = cand.sum(1)
+        union = torch.stack([cand[j:j + 16].any(0).sum() for j in range(0, x.shape[0], 16)])
+        print(f"| {b} | {per.median():.0f} / {per.max()} | {union.median():.0f} / {union.max()} |", flush=True)
 
 
 if __name__ == "__main__":
