@@ -9,9 +9,6 @@ time (GB/s) beside the device's copy rate, the memory floor of a decode-sized ca
     PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --dp [--tiles] --rows 1,2
         # 1-2 rows, q4_0 / q8_0: the FMA GEMV against the integer-dot one (quant_dp4a.py) with
         # x's codes of 8 bits (dp4a) and 16 (dp2a); --tiles: the 16-bit one's tiles at one row
-    PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --xreg [--tiles]
-        # one row, q4_0 / q8_0: the FMA GEMV against quant_xreg's (x in registers, walking
-        # columns); --tiles: its tiles (q4_0; compiled in parallel first)
     PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --gemm --rows 16,64,256,1024
         # the fused GEMM's tiles (quant_planar._gemm_kernel) against bf16 cuBLAS and the
         # decode path / dequantize + cuBLAS, per row count (compiles in parallel first)
@@ -59,7 +56,6 @@ def main() -> None:
     ap.add_argument("--gemm", action="store_true", help="the fused GEMM's tiles by row count (q4_0)")
     ap.add_argument("--jobs", type=int, default=12, help="with --gemm / --dp --tiles: processes compiling")
     ap.add_argument("--dp", action="store_true", help="1-2 rows: FMA GEMV against dp4a / dp2a")
-    ap.add_argument("--xreg", action="store_true", help="one row: FMA GEMV against quant_xreg's")
     ap.add_argument("--json", default=None, help="with --dp --tiles: the best tiles to this file")
     ap.add_argument("--kb", action="store_true", help="with --planar: the FMA kernel at one row, 4-32 "
                     "blocks a step (longer runs of each weight row a step)")
@@ -68,8 +64,6 @@ def main() -> None:
         return sweep(a.formats.split(","))
     if a.gemm:
         return gemm_sweep([int(r) for r in a.rows.split(",")], a.jobs)
-    if a.xreg:
-        return xreg(a.tiles, a.jobs)
     if a.dp:
         return dp(a.tiles, [int(r) for r in a.rows.split(",")], a.jobs, a.json)
     if a.planar:
@@ -349,83 +343,6 @@ def dp(tiles: bool, rows: list[int], jobs: int = 12, out_json: str | None = None
     if out_json:
         with open(out_json, "w") as fh:
             json.dump(best, fh, indent=1)
-
-
-XREG_CONFIGS = [(bn, kb, per_sm, w) for bn in (32, 64, 128) for kb in (4, 8, 16) for per_sm in (2.5, 5.0)
-                for w in (2, 4, 8) if bn * kb * 32 // (32 * w) <= 256]  # <= 256 weights a thread a step
-
-
-def _xreg_job(jobs: list) -> int:
-    """Compile (and run once) each (shape, tiles) of quant_xreg's q4_0 GEMV: fills Triton's cache."""
-    import torch
-
-    from flatserve.model import quant_planar as qp
-    from flatserve.model import quant_xreg as qx
-    from flatserve.model.qformats import FORMATS
-
-    bad, fmt = 0, FORMATS["q4_0"]
-    for name, c in jobs:
-        n, k = DP_SHAPES[name]
-        p = qp.repack(torch.zeros(n, fmt.row_bytes(k), dtype=torch.uint8, device="cuda"), fmt)
-        codes, scales, nblk = qp._views(p, fmt)
-        try:
-            qx.gemv(torch.zeros(1, k, dtype=torch.bfloat16, device="cuda"), codes, scales, nblk, 1,
-                    torch.empty(1, n, dtype=torch.bfloat16, device="cuda"), c)
-        except Exception:  # noqa: BLE001 (the timing pass reports it)
-            bad += 1
-    torch.cuda.synchronize()
-    return bad
-
-
-def xreg(tiles: bool, jobs: int = 12) -> None:
-    """One row, q4_0 and q8_0 (bf16 x and out): device us per call (graph_us, weights over 2x the
-    L2) of quant_planar's FMA GEMV (XREG off) and quant_xreg's with its default tiles; with
-    `tiles`, the best four of XREG_CONFIGS (q4_0). GB/s = weight bytes / time."""
-    import itertools
-    import multiprocessing as mp
-
-    import torch
-
-    from flatserve.bench.gpu import copy_bandwidth
-    from flatserve.model import quant_planar as qp
-    from flatserve.model import quant_xreg as qx
-    from flatserve.model.qformats import FORMATS
-
-    bw = copy_bandwidth()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    print(f"{torch.cuda.get_device_name()}  copy rate {bw / 1e9:.0f} GB/s (read + written)", flush=True)
-    if tiles:
-        todo = [(name, c) for name in DP_SHAPES for c in XREG_CONFIGS]
-        with mp.get_context("spawn").Pool(jobs) as pool:
-            bad = sum(pool.map(_xreg_job, [todo[i::jobs] for i in range(jobs)]))
-        print(f"compiled {len(todo)} tiles, {bad} failed", flush=True)
-    for f, (name, (n, k)) in itertools.product(("q4_0", "q8_0"), DP_SHAPES.items()):
-        fmt = FORMATS[f]
-        nb = n * fmt.row_bytes(k)
-        ps = [qp.repack(random_blocks(n, k, fmt, "cuda"), fmt) for _ in range(max(1, -(-2 * l2 // nb)))]
-        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
-        ts = {}
-        for on in (False, True):
-            qp.XREG = on
-            ts[on] = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
-        qp.XREG = True
-        print(f"xreg {f} {name:8s} floor {nb / bw * 1e6:6.1f} us | fma {ts[False]:6.1f} ({nb / ts[False] / 1e3:5.0f}"
-              f" GB/s) | xreg {ts[True]:6.1f} ({nb / ts[True] / 1e3:5.0f} GB/s, {ts[False] / ts[True]:4.2f}x) "
-              f"auto {qx.tiles(x.device, n, k // 32)}", flush=True)
-        if tiles and f == "q4_0":
-            views = [qp._views(p, fmt) for p in ps]
-            res = []
-            for c in XREG_CONFIGS:
-                try:
-                    res.append((graph_us([lambda v=v, c=c: qx.gemv(x, v[0], v[1], v[2], 1, out, c)
-                                          for v in views]), c))
-                except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so, go on)
-                    print(f"  {name} {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-            res.sort()
-            print(f"xreg tiles q4_0 {name:8s} best " + "  ".join(f"{t:6.1f} us {c}" for t, c in res[:4]),
-                  flush=True)
-        del ps
 
 
 def gemm_configs(m: int) -> list[tuple[int, ...]]:

@@ -57,7 +57,6 @@ GEMM = True  # False: qgemm's paths before _gemm_kernel (the benchmark's A/B)
 # decode step 4.13 / 4.85 ms against 3.99; docs/performance-gpu.md).
 INT_X = 0
 INT_ROWS = 2
-XREG = False  # True: one row takes quant_xreg's GEMV (x in registers; slower on an H100: 0.69x on gate_up)
 _CHUNK = 4096  # rows repacked at a time (bounds the temporaries)
 
 
@@ -430,10 +429,6 @@ def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
         from flatserve.model import quant_dp4a
 
         return quant_dp4a.gemv(x, codes, scales, nblk, code, out, INT_X, tiles, fused=FUSED_SUM)
-    if M == 1 and XREG and tiles is None:
-        from flatserve.model import quant_xreg
-
-        return quant_xreg.gemv(x, codes, scales, nblk, code, out)
     bn, kb, splits, warps, stages = tiles or _tiles(x.device, N, nblk, M, code)
     per = nblk // splits
     assert per * splits == nblk and per % kb == 0, (nblk, kb, splits)

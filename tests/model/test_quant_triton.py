@@ -70,24 +70,6 @@ for name in quant_planar.FORMATS:
                 quant_planar.GEMM = True
                 err = ((out2.cpu().double() - ref).norm() / ref.norm()).item()
                 assert err < 1e-5, ("planar gemv", name, m, n, k, err)
-# quant_xreg's one-row GEMV (qgemm's path at one row, above with its own tiles): other tiles,
-# with one K slice (70 x 128 at 4 blocks a slice: no partials), 3 slices of one block (33 x 96)
-# and 3-6 slices; fresh blocks and x, output poisoned; fp32 x, so the products are exact and the
-# fp32 sums' rounding bounds the difference from the float64 reference (~1e-7 relative).
-from flatserve.model import quant_xreg
-for name in quant_planar.FORMATS:
-    fmt = FORMATS[name]
-    for n, k in ((70, 128), (33, 96), (200, 768)):
-        raw = random_blocks(fmt, n, k, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
-        p = quant_planar.repack(raw.to(dev), fmt)
-        codes, scales, nblk = quant_planar._views(p, fmt)
-        x = torch.randn(1, k, generator=g)
-        ref = x.double() @ dequantize(raw, fmt, k).double().t()
-        for tile in ((64, 4, 2.5, 4), (32, 8, 0.5, 2)):
-            out = torch.full((1, n), float("nan"), device=dev)
-            quant_xreg.gemv(x.to(dev), codes, scales, nblk, quant_planar.FORMATS[name], out, tile)
-            err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
-            assert err < 1e-5, ("xreg", name, n, k, tile, err)
 # The integer-dot GEMV (quant_dp4a: x's codes of 8 bits into dp4a, 16 into dp2a) at 1-2 rows of
 # bf16 x, fresh blocks and activations: N not a multiple of the column tile (70, 130, 33), K with
 # an odd block count (37: one block a step, no split) and 3 blocks; the auto tiles and the other
