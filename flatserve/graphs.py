@@ -2,10 +2,11 @@
 
 Padded rows (bucket size > real sequences) carry slot -1 (the KV write skips them), context
 length 1 over the null block 0, and their logits are never read. The attention metadata's host
-fields are baked at capture (max_q_len 1, num_seqs = bucket), and so is the split-KV factor:
-buckets whose sequences x KV heads leave the SMs under-filled split KV (fill_segments; each
-program finds its tiles from the device's sequence lengths, so any length is correct), by the
-same rule as an eager decode step of that batch (choose_segments), so both give the same bits.
+fields are baked at capture (max_q_len 1, num_seqs = bucket), and so is each layer's split-KV
+factor, which the attention kernel chooses at capture from the bucket and that layer's KV heads
+by the rule an eager decode step of that batch uses (unified_attention.choose_segments), so both
+give the same bits; each program finds its tiles from the device's sequence lengths, so a split
+baked at capture is right for any length.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flatserve.attention.kernels.unified_attention import decode_bucket, fill_segments
 from flatserve.attention.metadata import AttentionMetadata, forward_context
 
 
@@ -48,10 +48,6 @@ class DecodeGraphs:
             slot_mapping=torch.full((B,), -1, dtype=torch.int64, device=device),
             cu_seqlens_q=torch.arange(B + 1, **i32))
         self.max_model_len = max_model_len
-        # The fewest KV heads of any layer (the attention modules' `hkv`): segments per bucket
-        self.kv_heads = min((m.hkv for m in model.modules() if isinstance(getattr(m, "hkv", None), int)),
-                            default=1)
-        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -60,8 +56,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             cu_seqlens_q=f.cu_seqlens_q[:b + 1], seq_lens=f.seq_lens[:b], block_table=f.block_table[:b],
             slot_mapping=f.slot_mapping[:b], max_q_len=1, max_seq_len=self.max_model_len,
-            cu_seqlens_q_host=list(range(b + 1)), seq_lens_host=[self.max_model_len] * b,
-            segments=fill_segments(decode_bucket(b), self.kv_heads, self.sms))
+            cu_seqlens_q_host=list(range(b + 1)), seq_lens_host=[self.max_model_len] * b)
 
     @torch.inference_mode()
     def capture(self) -> None:

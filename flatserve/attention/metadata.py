@@ -27,7 +27,6 @@ class AttentionMetadata:
     # Host copies so backends can loop/choose paths without reading device tensors.
     cu_seqlens_q_host: list[int]
     seq_lens_host: list[int]
-    segments: int | None = None  # split-KV factor; None lets the backend choose (graphs bake theirs)
     # Each sequence's prompt length (LongRoPE picks its factors by it); None in decode graphs,
     # whose tokens all sit past their prompts.
     prompt_lens_host: list[int] | None = None

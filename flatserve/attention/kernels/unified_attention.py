@@ -256,8 +256,6 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m, tile, warps, stages = tile_config(meta, qpk, D)
     block_q = block_m // qpk
     if segments is None:
-        segments = meta.segments
-    if segments is None:
         segments = choose_segments(meta, Hkv, torch.cuda.get_device_properties(q.device).multi_processor_count)
     grid = (T // block_q + meta.num_seqs, Hkv, segments)
     hp = triton.next_power_of_2(D)
