@@ -6,9 +6,6 @@ time (GB/s) beside the device's copy rate, the memory floor of a decode-sized ca
     PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --sweep   # the GEMV's tiles, and each path by rows
     PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --planar [--tiles] [--kb] --rows 1,16,64
         # q4_0 / q8_0: the stored blocks against the planar copy (quant_planar.py), in CUDA graphs
-    PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --dp [--tiles] --rows 1,2
-        # 1-2 rows, q4_0 / q8_0: the FMA GEMV against the integer-dot one (quant_dp4a.py) with
-        # x's codes of 8 bits (dp4a) and 16 (dp2a); --tiles: the 16-bit one's tiles at one row
     PYTHONPATH=. python3 benchmarks/dev/quant_gemm_gpu.py --gemm --rows 16,64,256,1024
         # the fused GEMM's tiles (quant_planar._gemm_kernel) against bf16 cuBLAS and the
         # decode path / dequantize + cuBLAS, per row count (compiles in parallel first)
@@ -54,9 +51,7 @@ def main() -> None:
     ap.add_argument("--planar", action="store_true")
     ap.add_argument("--tiles", action="store_true", help="with --planar: sweep the planar kernels' tiles")
     ap.add_argument("--gemm", action="store_true", help="the fused GEMM's tiles by row count (q4_0)")
-    ap.add_argument("--jobs", type=int, default=12, help="with --gemm / --dp --tiles: processes compiling")
-    ap.add_argument("--dp", action="store_true", help="1-2 rows: FMA GEMV against dp4a / dp2a")
-    ap.add_argument("--json", default=None, help="with --dp --tiles: the best tiles to this file")
+    ap.add_argument("--jobs", type=int, default=12, help="with --gemm: processes compiling the tiles")
     ap.add_argument("--kb", action="store_true", help="with --planar: the FMA kernel at one row, 4-32 "
                     "blocks a step (longer runs of each weight row a step)")
     a = ap.parse_args()
@@ -64,8 +59,6 @@ def main() -> None:
         return sweep(a.formats.split(","))
     if a.gemm:
         return gemm_sweep([int(r) for r in a.rows.split(",")], a.jobs)
-    if a.dp:
-        return dp(a.tiles, [int(r) for r in a.rows.split(",")], a.jobs, a.json)
     if a.planar:
         return planar(a.tiles, [int(r) for r in a.rows.split(",")], a.kb)
     bw = copy_bandwidth()  # bytes moved per second (read + write), as offline_gpu.py's floor
@@ -240,109 +233,6 @@ def planar(tiles: bool, rows: list[int], kb: bool = False) -> None:
                       f"({t_old / t_pl:4.2f}x){' (fused GEMM)' if qp.use_gemm(m, n, k) else ''}",
                       flush=True)
             del ws, ps, denses
-
-
-DP_SHAPES = {**SHAPES, "lm_head": (128256, 4096)}
-
-
-def dp_configs(m: int) -> list[tuple[int, ...]]:
-    """(BLOCK_N, KB, splits, warps, stages) of the integer-dot GEMV tried at m rows."""
-    import itertools
-
-    if m == 1:
-        grid = itertools.product(((64, 4), (128, 4), (128, 8)), (4, 8, 16), (2, 4, 8))
-    else:
-        grid = itertools.product(((64, 4), (128, 8)), (4, 8), (4, 8))
-    return [(bn, kb, sp, w, 1) for (bn, w), kb, sp in grid]
-
-
-def _dp_job(jobs: list) -> int:
-    """Compile (and run once) each (format, shape, m, bits, tiles): fills Triton's cache."""
-    import torch
-
-    from flatserve.model import quant_dp4a as qd
-    from flatserve.model import quant_planar as qp
-    from flatserve.model.qformats import FORMATS
-
-    bad = 0
-    for f, name, m, bits, c in jobs:
-        n, k = DP_SHAPES[name]
-        fmt = FORMATS[f]
-        p = torch.zeros(n, fmt.row_bytes(k), dtype=torch.uint8, device="cuda")
-        codes, scales, nblk = qp._views(p, fmt)
-        x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
-        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        try:
-            qd.gemv(x, codes, scales, nblk, qp.FORMATS[f], out, bits, c)
-        except Exception:  # noqa: BLE001 (the timing pass reports it)
-            bad += 1
-    torch.cuda.synchronize()
-    return bad
-
-
-def dp(tiles: bool, rows: list[int], jobs: int = 12, out_json: str | None = None) -> None:
-    """q4_0 and q8_0 at 1-2 rows (bf16 x and out): device us per call (graph_us, weights over 2x
-    the L2) of quant_planar's FMA GEMV (INT_X = 0) and of quant_dp4a's with x's codes of 8 and 16
-    bits, the auto tiles; with `tiles` (q4_0), also the best three of dp_configs per row count
-    and bits (compiled in parallel first), and `out_json` the best tile per (N, blocks, rows,
-    bits). GB/s = weight bytes / time."""
-    import itertools
-    import json
-    import multiprocessing as mp
-
-    import torch
-
-    from flatserve.bench.gpu import copy_bandwidth
-    from flatserve.model import quant_dp4a as qd
-    from flatserve.model import quant_planar as qp
-    from flatserve.model.qformats import FORMATS
-
-    bw = copy_bandwidth()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    print(f"{torch.cuda.get_device_name()}  copy rate {bw / 1e9:.0f} GB/s (read + written)", flush=True)
-    if tiles:
-        todo = [("q4_0", name, m, bits, c) for name in DP_SHAPES for m in rows for bits in (8, 16)
-                for c in dp_configs(m) if (DP_SHAPES[name][1] // 32) % (c[1] * c[2]) == 0]
-        with mp.get_context("spawn").Pool(jobs) as pool:
-            bad = sum(pool.map(_dp_job, [todo[i::jobs] for i in range(jobs)]))
-        print(f"compiled {len(todo)} tiles, {bad} failed", flush=True)
-    best, old = {}, qp.INT_X
-    for f, (name, (n, k)) in itertools.product(("q4_0", "q8_0"), DP_SHAPES.items()):
-        fmt = FORMATS[f]
-        nb = n * fmt.row_bytes(k)
-        ps = [qp.repack(random_blocks(n, k, fmt, "cuda"), fmt) for _ in range(max(1, -(-2 * l2 // nb)))]
-        views = [qp._views(p, fmt) for p in ps]
-        for m in rows:
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            ts = {}
-            for bits in (0, 8, 16):
-                qp.INT_X = bits
-                ts[bits] = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
-            qp.INT_X = old
-            print(f"dp {f} {name:8s} M={m} floor {nb / bw * 1e6:6.1f} us | fma {ts[0]:6.1f} ("
-                  f"{nb / ts[0] / 1e3:5.0f} GB/s) | dp4a x8 {ts[8]:6.1f} ({nb / ts[8] / 1e3:5.0f} GB/s, "
-                  f"{ts[0] / ts[8]:4.2f}x) | dp2a x16 {ts[16]:6.1f} ({nb / ts[16] / 1e3:5.0f} GB/s, "
-                  f"{ts[0] / ts[16]:4.2f}x) auto {qd._tiles(x.device, n, k // 32, m, qp.FORMATS[f])}",
-                  flush=True)
-            for bits in (8, 16) if tiles and f == "q4_0" else ():
-                res = []
-                for c in dp_configs(m):
-                    if (k // 32) % (c[1] * c[2]):
-                        continue
-                    try:
-                        res.append((graph_us([lambda v=v, c=c: qd.gemv(x, v[0], v[1], v[2], 1, out, bits, c)
-                                              for v in views]), c))
-                    except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so, go on)
-                        print(f"  {name} {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                res.sort()
-                best[f"{n},{k // 32},{m},{bits}"] = [res[0][1], res[0][0], ts[0]]
-                print(f"dp tiles q4_0 {name:8s} x{bits} M={m} best "
-                      + "  ".join(f"{t:6.1f} us {c}" for t, c in res[:4]), flush=True)
-        del ps, views
-    if out_json:
-        with open(out_json, "w") as fh:
-            json.dump(best, fh, indent=1)
 
 
 def gemm_configs(m: int) -> list[tuple[int, ...]]:

@@ -24,9 +24,8 @@ Kernels, each checked against the torch reference (tests/model/test_quant_triton
 Triton interpreter on a CPU and compiled on CUDA):
 - up to FMA_ROWS rows: `_fma_kernel`, fp32 FMAs; codes to floats by masking each nibble in place
   into the mantissa of a power of 2 chosen per nibble position, so one FADD gives q - 8 exactly
-  (no scaling of x, no zero-point sum), the scales loaded in the codes' register layout;
-  (quant_dp4a.py's integer-dot GEMV, x quantized to 8- or 16-bit codes, stays selectable for
-  bf16 / fp16 x, INT_X: slower on an H100, both bound by the L1/TEX unit);
+  (no scaling of x, no zero-point sum), the scales loaded in the codes' register layout
+  (integer-dot and x-in-registers versions were slower on an H100: docs/performance-gpu.md);
 - from 3 rows to 128 (256 for weights of >= 2^25 values; `use_gemm`): `_gemm_kernel`, a GEMM
   tiled over rows and columns (16-256 x 64-128), the weights dequantized in registers (the
   reference's bits: d * (q - 8) in fp32, rounded to x's dtype) into tensor-core products, no
@@ -50,13 +49,6 @@ _CB = {0: 32, 1: 16}  # code bytes per block
 FMA_ROWS = 2
 GEMV_ROWS = 32
 GEMM = True  # False: qgemm's paths before _gemm_kernel (the benchmark's A/B)
-# INT_X 8 / 16: up to INT_ROWS rows of bf16 / fp16 activations take quant_dp4a's integer-dot GEMV
-# with x's codes of that many bits (dp4a / dp2a) instead of _fma_kernel (fp32 activations always
-# keep the latter). Off (0): on an H100 it was no faster per linear (q4_0, one row, the best of 27
-# tiles: 8 bits 1.05-1.14x _fma_kernel's time, 16 bits 1.16-1.32x) and slower end to end (b1
-# decode step 4.13 / 4.85 ms against 3.99; docs/performance-gpu.md).
-INT_X = 0
-INT_ROWS = 2
 _CHUNK = 4096  # rows repacked at a time (bounds the temporaries)
 
 
@@ -425,10 +417,6 @@ def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
         torch.mm(x, dense.t(), out=out) if out.is_contiguous() else out.copy_(x @ dense.t())
         return
     fma = M <= FMA_ROWS
-    if fma and INT_X and M <= INT_ROWS and x.dtype != torch.float32:
-        from flatserve.model import quant_dp4a
-
-        return quant_dp4a.gemv(x, codes, scales, nblk, code, out, INT_X, tiles, fused=FUSED_SUM)
     bn, kb, splits, warps, stages = tiles or _tiles(x.device, N, nblk, M, code)
     per = nblk // splits
     assert per * splits == nblk and per % kb == 0, (nblk, kb, splits)

@@ -70,66 +70,18 @@ for name in quant_planar.FORMATS:
                 quant_planar.GEMM = True
                 err = ((out2.cpu().double() - ref).norm() / ref.norm()).item()
                 assert err < 1e-5, ("planar gemv", name, m, n, k, err)
-# The integer-dot GEMV (quant_dp4a: x's codes of 8 bits into dp4a, 16 into dp2a) at 1-2 rows of
-# bf16 x, fresh blocks and activations: N not a multiple of the column tile (70, 130, 33), K with
-# an odd block count (37: one block a step, no split) and 3 blocks; the auto tiles and the other
-# tiles; inline PTX and its plain-integer emulation on CUDA (the interpreter runs the latter).
-# Reference: x's codes made as the kernel makes them (fp32 ops, IEEE division, round half to
-# even), the products in float64. The integer sums are exact (q4_0 |sum| < 2^24; q8_0's 16-bit sums
-# one rounding), so the kernel differs only by the fp32 scale product, the multiply-add and the
-# sums over blocks (each term through at most nblk + 3 roundings): |err| <= (nblk + 3) 2^-24
-# sum_b |term_b|. Against the unquantized x: |x - q d| <= d / 2 + |x| 2^-22 per value (rint, and
-# the rounding of QMAX / amax, the product and d), so |out - x W^T| <= sum_k |w_k| (d_b / 2 +
-# |x_k| 2^-22) + the fp32 bound.
-from flatserve.model import quant_dp4a
-assert quant_planar.INT_X == 0  # the integer-dot GEMV is off by default (quant_planar says why)
-def xcodes(x, bits):
-    xb = x.float().view(x.shape[0], -1, 32)
-    amax = xb.abs().amax(-1)
-    qmax = 127.0 if bits == 8 else 32767.0
-    # (a tensor over a tensor: IEEE division; qmax / amax is amax.reciprocal() * qmax in torch)
-    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
-    return torch.round(xb * inv[..., None]).double(), (amax / qmax).double()
+# The FMA GEMV on bf16 x (the engine's activations; above fp32): widened exactly, so the products
+# are exact and only the fp32 sums' rounding differs from the float64 reference, ~1e-7 relative.
 for name in quant_planar.FORMATS:
-    fmt, code = FORMATS[name], quant_planar.FORMATS[name]
-    for m, (n, k) in ((1, (70, 128)), (1, (130, 1024)), (2, (64, 2048)), (2, (33, 37 * 32)), (1, (70, 96))):
+    fmt = FORMATS[name]
+    for m, (n, k) in ((1, (130, 1024)), (2, (33, 37 * 32))):
         raw = random_blocks(fmt, n, k, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
         p = quant_planar.repack(raw.to(dev), fmt)
-        codes, scales, nblk = quant_planar._views(p, fmt)
-        w = dequantize(raw, fmt, k).double().view(n, -1, 32)
-        spread = torch.rand(m, k // 32, 1, generator=g).mul(4).expand(m, k // 32, 32).reshape(m, k)
-        x = (torch.randn(m, k, generator=g) * spread).bfloat16()  # blocks of differing scales
-        exact = x.double() @ w.view(n, k).t()
-        other = ((64, 4, 2, 4, 1), (128, 16, 1, 4, 1)) if k >= 2048 else ()
-        for bits in (8, 16):
-            q, d = xcodes(x, bits)
-            terms = torch.einsum("mbk,nbk->mnb", q, w) * d[:, None, :]  # [m, n, blocks]
-            ref = terms.sum(-1)
-            bound = (nblk + 3) * 2.0**-24 * terms.abs().sum(-1) + 1e-30
-            dx = d[..., None] / 2 + x.double().abs().view(m, -1, 32) * 2.0**-22  # |x - q d| bound
-            qbound = torch.einsum("mbk,nbk->mn", dx, w.abs()) + bound
-            assert ((ref - exact).abs() <= qbound).all(), ("dp quant bound", name, bits)
-            # (the emulation on CUDA at one shape: each variant is a compile of its own)
-            for asm in ((False, True) if k == 2048 else (True,)) if dev == "cuda" else (False,):
-                for tiles in (None, *other) if asm or dev != "cuda" else (None,):
-                    out = torch.full((m, n), float("nan"), device=dev)
-                    quant_dp4a.gemv(x.to(dev), codes, scales, nblk, code, out, bits, tiles, asm=asm)
-                    err = (out.cpu().double() - ref).abs()
-                    assert (err <= bound).all(), ("dp", name, bits, asm, m, n, k, tiles,
-                                                  (err / bound).max().item())
-                    assert ((out.cpu().double() - exact).abs() <= qbound).all(), ("dp vs exact", name, bits)
-            # qgemm's dispatch with INT_X set: bf16 x at <= INT_ROWS rows; bf16 out: + its rounding,
-            # 2^-8 relative (the interpreter truncates: 2^-7)
-            quant_planar.INT_X = bits
-            out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-            quant_planar.qgemm(x.to(dev), p, fmt, out)
-            err = (out.cpu().double() - ref).abs()
-            u = 2.0**-8 if dev == "cuda" else 2.0**-7
-            assert (err <= (bound + ref.abs()) * u + bound).all(), ("dp qgemm bf16", name, bits)
-        quant_planar.INT_X = 0  # off (the default): the FMA kernel on bf16 x
+        x = torch.randn(m, k, generator=g).bfloat16()
+        exact = x.double() @ dequantize(raw, fmt, k).double().t()
         out = torch.full((m, n), float("nan"), device=dev)
         quant_planar.qgemm(x.to(dev), p, fmt, out)
-        assert ((out.cpu().double() - exact).norm() / exact.norm()).item() < 1e-5, ("fma bf16", name)
+        assert ((out.cpu().double() - exact).norm() / exact.norm()).item() < 1e-5, ("fma bf16", name, m)
 # The fused GEMM (quant_planar._gemm_kernel) at row counts that are not multiples of its row
 # tile (17, 100, 257) and columns not of its column tile (70, 33): the auto tiles, and others
 # with K split in 2 (fixed-order sums), 1-4 blocks a step. fp32 activations (the interpreter has
