@@ -110,7 +110,8 @@ def shared_headers(source: Path) -> list[Path]:
 
 
 def _headers_hash(source: Path) -> str:
-    return hashlib.sha1(b"".join(h.name.encode() + b"\0" + h.read_bytes() for h in shared_headers(source))).hexdigest()
+    parts = (h.name.encode() + b"\0" + h.read_bytes() for h in shared_headers(source))
+    return hashlib.sha1(b"".join(parts)).hexdigest()
 
 
 def source_flags(source: Path) -> list[str]:

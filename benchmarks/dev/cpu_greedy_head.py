@@ -121,7 +121,8 @@ def bits_report(h: torch.Tensor, w: torch.Tensor, bits: list[int]) -> None:
     print("|---|---|---|")
     for b in bits:
         levels = (1 << (b - 1)) - 1
-        est, err = torch.empty(x.shape[0], n, dtype=torch.float64), torch.empty(x.shape[0], n, dtype=torch.float64)
+        est = torch.empty(x.shape[0], n, dtype=torch.float64)
+        err = torch.empty_like(est)
         for i in range(0, n, 16384):
             wc = w[i:i + 16384].double()
             s = wc.abs().amax(1).clamp(min=1e-30) / levels
@@ -133,7 +134,8 @@ def bits_report(h: torch.Tensor, w: torch.Tensor, bits: list[int]) -> None:
         cand = est + err >= (est - err).amax(1, keepdim=True)  # [R, N]
         per = cand.sum(1)
         union = torch.stack([cand[j:j + 16].any(0).sum() for j in range(0, x.shape[0], 16)])
-        print(f"| {b} | {per.median():.0f} / {per.max()} | {union.median():.0f} / {union.max()} |", flush=True)
+        print(f"| {b} | {per.median():.0f} / {per.max()} | {union.median():.0f} / {union.max()} |",
+              flush=True)
 
 
 if __name__ == "__main__":
