@@ -131,9 +131,9 @@ def main() -> None:
     gguf = str(default_model_path())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    libs = [f"llama-server's ggml libraries: {a.llama_libs} first (--llama-libs)"] if a.llama_libs else []
     lines = [f"# flatserve vs llama-server, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             f"CPU: {cpu_report()}", *([f"llama-server's ggml libraries: {a.llama_libs} first "
-                                        "(--llama-libs)"] if a.llama_libs else []), f"Model: {os.path.basename(gguf)}", "",
+             f"CPU: {cpu_report()}", *libs, f"Model: {os.path.basename(gguf)}", "",
              "Command: " + " ".join(shlex.quote(x) for x in [".venv/bin/python", *sys.argv]), ""]
     for rnd in range(a.rounds):
         engines = a.engines.split(",")

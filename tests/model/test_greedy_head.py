@@ -157,8 +157,8 @@ def test_the_first_stage_keeps_rows_that_only_the_low_bytes_reach(gemm: str) -> 
     """The AVX2 pass first scores every row against x's high bytes alone (x ~= 256 sx xh). Here
     every channel but one holds 100 sx, which splits into xh = 0 and xl = 100: row b gains only
     through those channels (its logit ~1,960), row a through the one large channel (~1,020). The
-    first stage sees b at ~0 and a at ~1,020; only its own error term (63 s |x - 256 sx xh|_1)
-    keeps b for the second stage, which finds it the argmax. A group of 32 rows is scored against
+    first stage sees b at ~0 and a at ~1,020; only its own error term (s_n |x - 256 sx xh|_2
+    |q_n|_2) keeps b for the second stage, which finds it the argmax. A group of 32 rows is scored against
     the threshold its thread's earlier groups set, so every group holds a copy of row a and b is
     the last row: its thread has seen a before it at up to 32 threads (64 groups)."""
     k, a, out = 640, 3, 7
