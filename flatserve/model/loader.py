@@ -280,6 +280,21 @@ def _iter_safetensors_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, sf.get_tensor(name)
 
 
+def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Module.to_empty(device) without its empty_like on meta tensors: that runs torch's Python
+    reference (torch._refs), whose first call imports torch.fx's symbolic shapes and with them
+    sympy and mpmath (~490 modules, +34 MiB RSS on x86-64 Linux with torch 2.13): memory a
+    CPU server held for nothing (the bf16 peak RSS goal of issue #28 is 1.2 GiB)."""
+    for m in model.modules():
+        for slots in (m._parameters, m._buffers):
+            for name, t in slots.items():
+                if t is None or not t.is_meta:
+                    continue
+                new = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+                slots[name] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+    return model
+
+
 def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch.dtype,
                 device: torch.device, shard: Callable[[nn.Module], None] | None = None,
                 keep_quantized: bool = False, dummy: bool = False) -> nn.Module:
@@ -305,10 +320,10 @@ def build_model(src: ModelSource, hf_config: Any, cfg: ModelConfig, dtype: torch
             shard(model)
     # dtype first, on meta: to_empty at the default fp32 then .to(bf16) peaked at twice the
     # weights (GPT-OSS-20B: 84 GB of fp32 on an 80 GB H100, out of memory at load).
-    model = model.to(dtype).to_empty(device=device)
+    model = _materialize(model.to(dtype), device)
     if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
-        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty may have split them
-    for m in model.modules():  # non-persistent buffers come back empty from to_empty
+        model.lm_head.weight = model.model.embed_tokens.weight  # _materialize splits them
+    for m in model.modules():  # non-persistent buffers come back empty from _materialize
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
     share_rope_tables(model)

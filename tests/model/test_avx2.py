@@ -46,6 +46,24 @@ def test_avx2_linear_matches_float64_reference(rows: int, plain: bool) -> None:
 
 
 @needs_avx2
+def test_prompt_calls_of_other_shapes_in_turn_each_get_their_own_result() -> None:
+    """Prompt-sized calls (>= 128 rows) reuse held buffers for W, x and the product (scratch in
+    avx2_gemm_cpu.cpp): a larger call, then smaller ones of other shapes, then the first again,
+    each against its own reference (a buffer sized or viewed from an earlier call fails here)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    # N, K, rows; 1,040 columns: two chunks of 512 and one of 16 (run_torch)
+    shapes = [(1040, 300, 300), (48, 200, 130), (96, 64, 257), (1040, 300, 300)]
+    layers = {}
+    for N, K, rows in shapes:
+        if (N, K) not in layers:
+            w, b = torch.randn(N, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
+            layers[N, K] = (w, b, avx2.AVX2Linear(w, b))
+        w, b, layer = layers[N, K]
+        x = torch.randn(rows, K, generator=g).bfloat16()
+        _check(layer(x), x, w, b)
+
+
+@needs_avx2
 @pytest.mark.parametrize("plain", [False, True])
 def test_avx2_linear_fp32_activations(plain: bool) -> None:
     g = torch.Generator().manual_seed(7)
@@ -97,7 +115,7 @@ def test_gated_epilogue_equals_gate_up_then_act_and_mul(act: str, rows: int, mon
     from flatserve.ops import cpu_ops
 
     g = torch.Generator().manual_seed(rows)
-    inter, K = 96, 200
+    inter, K = (528 if rows >= 128 else 96), 200  # 528: prompt calls widen 512 columns at a time
     w = (torch.randn(2 * inter, K, generator=g) / 8).bfloat16()
     x = torch.randn(rows, K, generator=g).bfloat16()
     plain = avx2.AVX2Linear(w, None)(x)  # [rows, 2I]

@@ -172,9 +172,26 @@ void panel_rows(int64_t rows, const float* x, int64_t xs, const uint16_t* w, int
   }
 }
 
-// x [M, K] as fp32, contiguous: the input itself when it already is, else a widened copy.
-at::Tensor as_f32(const at::Tensor& x) {
-  return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+// A grow-only fp32 buffer [rows, cols] per slot and thread, for the prompt-sized calls' copies
+// (0: W widened, 1: the fp32 product, 2: x widened). Why: where the heap hands freed memory back
+// to the OS (device.keep_freed_heap, off without native bf16) these multi-MB copies were faulted
+// in page by page at every call: ~20 MB a call and ~0.7 GB a 512-token prompt step for Gemma 3
+// 270M. Held, they cost the largest call's size once (~10 MB there, run_torch's column chunks).
+at::Tensor scratch(int slot, int64_t rows, int64_t cols) {
+  thread_local at::Tensor bufs[3];
+  at::Tensor& b = bufs[slot];
+  if (!b.defined() || b.numel() < rows * cols) b = at::empty({rows * cols}, at::kFloat);
+  return b.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
+// x [M, K] as fp32, contiguous: the input itself when it already is, else a widened copy (in
+// scratch slot 2 for prompt-sized calls, `held`).
+at::Tensor as_f32(const at::Tensor& x, bool held = false) {
+  if (x.scalar_type() == at::kFloat) return x.contiguous();
+  if (!held) return x.to(at::kFloat).contiguous();
+  at::Tensor out = scratch(2, x.size(0), x.size(1));
+  out.copy_(x);
+  return out;
 }
 
 std::vector<float> bias_f32(const at::Tensor& bias, int64_t N) {
@@ -234,36 +251,48 @@ void run_gated(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t
   }
 }
 
-// Packed W [N/16, K, 16] -> fp32 [N, K], rows in packed column order (panel g's columns
-// 16g..16g+15; gated: gate 16 | up 16 of the same outputs, as the packing left them).
-at::Tensor widen(const uint16_t* w, int64_t N, int64_t K) {
-  at::Tensor out = at::empty({N, K}, at::kFloat);
+// Packed W's panels [g0, g1) -> fp32 [16 (g1 - g0), K] (scratch slot 0), rows in packed column
+// order (panel g's columns 16g..16g+15; gated: gate 16 | up 16 of the same outputs, as the
+// packing left them).
+at::Tensor widen(const uint16_t* w, int64_t g0, int64_t g1, int64_t K) {
+  at::Tensor out = scratch(0, 16 * (g1 - g0), K);
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
+  at::parallel_for(g0, g1, 1, [&](int64_t a, int64_t b) {
+    for (int64_t g = a; g < b; ++g)
       for (int64_t c = 0; c < 16; ++c) {
         const uint16_t* src = w + g * K * 16 + 2 * (c % 8) + c / 8;  // lane of column c
-        float* dst = o + (g * 16 + c) * K;
+        float* dst = o + ((g - g0) * 16 + c) * K;
         for (int64_t k = 0; k < K; ++k) dst[k] = bf16_to_f32(src[k * 16]);
       }
   });
   return out;
 }
 
-// A prompt-sized call through torch's fp32 GEMM on a widened copy of W, then this file's
-// epilogues (bias and rounding, or the gated act(gate) * up) on the fp32 result.
+// Columns a prompt-sized call widens and multiplies at a time: the held copies (scratch) then
+// stay at 512 x K and M x 512 fp32 (5 and 1 MB for Gemma 3 270M's down at 512 rows, against 10.5
+// and 8.4 MB for its whole gate_up), and each GEMM is still 512 wide.
+constexpr int64_t kTorchCols = 512;
+
+// A prompt-sized call through torch's fp32 GEMM on a widened copy of W, kTorchCols columns at a
+// time, then this file's epilogues (bias and rounding, or the gated act(gate) * up) on the fp32
+// result.
 template <typename T>
 void run_torch(const at::Tensor& xf, const uint16_t* w, int64_t N, const float* bias, int act, T* y) {
-  const int64_t M = xf.size(0), K = xf.size(1);
-  const at::Tensor c = at::mm(xf, widen(w, N, K).t());  // [M, N] fp32, packed column order
-  const float* cp = c.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t p = 0; p < (act ? N / 32 : N / 16); ++p) {
-        if (act) store16_gated<T>(cp + r * N + 32 * p, cp + r * N + 32 * p + 16, act, y + r * (N / 2) + 16 * p);
-        else store16<T>(cp + r * N + 16 * p, bias ? bias + 16 * p : nullptr, y + r * N + 16 * p);
-      }
-  });
+  const int64_t M = xf.size(0), K = xf.size(1), G = N / 16, step = kTorchCols / 16;
+  for (int64_t g0 = 0; g0 < G; g0 += step) {
+    const int64_t g1 = std::min(G, g0 + step), nc = 16 * (g1 - g0);
+    at::Tensor c = scratch(1, M, nc);  // [M, nc] fp32, packed column order
+    at::mm_out(c, xf, widen(w, g0, g1, K).t());
+    const float* cp = c.data_ptr<float>();
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t p = 0; p < (act ? nc / 32 : nc / 16); ++p) {
+          const float* cr = cp + r * nc;
+          if (act) store16_gated<T>(cr + 32 * p, cr + 32 * p + 16, act, y + r * (N / 2) + g0 * 8 + 16 * p);
+          else store16<T>(cr + 16 * p, bias ? bias + g0 * 16 + 16 * p : nullptr, y + r * N + g0 * 16 + 16 * p);
+        }
+    });
+  }
 }
 
 template <typename T>
@@ -351,7 +380,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
               "avx2 linear: act 0, 1 (silu) or 2 (gelu-tanh); gated: N % 32 == 0, no bias");
   at::Tensor y = at::empty({M, act ? N / 2 : N}, x.options());
   if (M == 0) return y;
-  const at::Tensor xf = as_f32(x);
+  const at::Tensor xf = as_f32(x, M >= kTorchRows);
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   if (M >= kTorchRows) {
     const std::vector<float> b = bias_f32(bias, N);
