@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flatserve.model import cuda_gemv
 from flatserve.model.qformats import Format
 
 FORMATS = {"q8_0": 0, "q4_0": 1}  # name -> kernel code
@@ -72,6 +73,8 @@ def repack(q: torch.Tensor, fmt: Format) -> torch.Tensor:
     n, nblk = q.shape[0], q.shape[1] // fmt.type_size
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _locks(q.device)  # made now, outside any graph capture
+    if fmt.name == "q4_0":
+        cuda_gemv.prepare(q.device)  # the one-row CUDA C++ GEMV, built and loaded now likewise
     codes, scales = _split(out, fmt)
     for r in range(0, n, _CHUNK):
         b = q[r:r + _CHUNK].reshape(-1, nblk, fmt.type_size)
@@ -417,6 +420,8 @@ def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
         torch.mm(x, dense.t(), out=out) if out.is_contiguous() else out.copy_(x @ dense.t())
         return
     fma = M <= FMA_ROWS
+    if M == 1 and code == 1 and tiles is None and cuda_gemv.gemv(x, codes, scales, out, N, nblk):
+        return
     bn, kb, splits, warps, stages = tiles or _tiles(x.device, N, nblk, M, code)
     per = nblk // splits
     assert per * splits == nblk and per % kb == 0, (nblk, kb, splits)

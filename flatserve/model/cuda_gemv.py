@@ -1,0 +1,162 @@
+"""The one-row q4_0 GEMV in CUDA C++ (flatserve/ops/csrc/q4_gemv_cuda.cu), built at run time by
+NVRTC and launched through the CUDA driver API, both through ctypes: no compiler, no toolkit and
+no package beyond what a CUDA build of torch already installs (its nvidia-cuda-nvrtc wheel, the
+driver's libcuda). Where either is missing, the build fails or the GPU is older than sm_80 (bf16
+conversions), quant_planar.qgemm keeps the Triton FMA GEMV, after one notice.
+
+Why: on an H100 the Triton kernel with the same arithmetic was 1.4-1.6x slower per linear
+(docs/performance-gpu.md, "Quantized weights (4-bit) on the GPU"). The launch is a plain
+cuLaunchKernel on torch's current stream, so CUDA graphs capture it like any kernel; `prepare`
+builds and loads the module at weight load time, outside any capture.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("flatserve")
+_SRC = Path(__file__).parents[1] / "ops" / "csrc" / "q4_gemv_cuda.cu"
+_MAGIC = 0x4B000000  # the bits of 2^23 (the kernel's nibble-to-float trick)
+ENABLED = True  # False: qgemm keeps the Triton GEMV (the benchmark's A/B)
+
+
+class _Api:
+    """libnvrtc and libcuda through ctypes, and this process's loaded functions per device."""
+
+    def __init__(self) -> None:
+        self.cuda = ctypes.CDLL("libcuda.so.1")
+        path = _nvrtc_path()
+        # NVRTC opens its builtins library by name at compile time: loaded first from the same
+        # folder, it is found whatever LD_LIBRARY_PATH says (the wheels' folders are not on it).
+        for b in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
+            if ".alt." not in b:
+                ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+        self.nvrtc = ctypes.CDLL(path)
+        self.funcs: dict[int, dict[int, ctypes.c_void_p]] = {}  # device -> rows per warp -> CUfunction
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            msg = ctypes.c_char_p()
+            self.cuda.cuGetErrorString(rc, ctypes.byref(msg))
+            raise RuntimeError(f"{what}: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+    def compile(self, arch: str) -> bytes:
+        """The source -> a cubin for `arch` (e.g. sm_90), or RuntimeError with NVRTC's log."""
+        prog = ctypes.c_void_p()
+        src = _SRC.read_bytes()
+        if self.nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"q4_gemv_cuda.cu", 0, None, None):
+            raise RuntimeError("nvrtcCreateProgram failed")
+        try:
+            opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+            rc = self.nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+            if rc:
+                size = ctypes.c_size_t()
+                self.nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                buf = ctypes.create_string_buffer(size.value)
+                self.nvrtc.nvrtcGetProgramLog(prog, buf)
+                raise RuntimeError(f"NVRTC could not build {_SRC.name} for {arch}: "
+                                   f"{buf.value.decode(errors='replace').strip()[-500:]}")
+            size = ctypes.c_size_t()
+            self.nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            cubin = ctypes.create_string_buffer(size.value)
+            self.nvrtc.nvrtcGetCUBIN(prog, cubin)
+            return cubin.raw
+        finally:
+            self.nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+    def load(self, index: int, cubin: bytes) -> dict[int, ctypes.c_void_p]:
+        """The module into device `index`'s primary context (torch's), -> its kernels."""
+        ctx = ctypes.c_void_p()
+        self.check(self.cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:  # this thread has no context yet: bind the device's primary one
+            dev = ctypes.c_int()
+            self.check(self.cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+            self.check(self.cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self.check(self.cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        mod, funcs = ctypes.c_void_p(), {}
+        self.check(self.cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
+        for r in (2, 4):
+            f = ctypes.c_void_p()
+            self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, f"q4_gemv_r{r}".encode()),
+                       "cuModuleGetFunction")
+            funcs[r] = f
+        return funcs
+
+
+def _nvrtc_path() -> str:
+    """libnvrtc: torch's nvidia wheel (nvidia/cu13/lib, nvidia/cuda_nvrtc/lib), else a toolkit's."""
+    major = (torch.version.cuda or "0").split(".")[0]
+    roots = [p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))]
+    found = [f for r in roots for f in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib", "libnvrtc.so*")))]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
+    found = [f for f in found if ".alt." not in f and "builtins" not in f]
+    for f in found:  # the one torch was built against first
+        if f.endswith(f".so.{major}") or f".so.{major}." in f:
+            return f
+    if not found:
+        raise OSError("no libnvrtc (torch's nvidia-cuda-nvrtc wheel or a CUDA toolkit)")
+    return found[0]
+
+
+_API: _Api | None = None
+_FAILED: str | None = None
+
+
+def prepare(device: torch.device) -> bool:
+    """Build and load the kernels for `device` once (at load: not during a graph capture);
+    -> whether qgemm can use them. A failure is reported once and remembered."""
+    global _API, _FAILED
+    if not ENABLED or device.type != "cuda" or _FAILED is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _API is not None and index in _API.funcs:
+        return True
+    major, minor = torch.cuda.get_device_capability(index)
+    try:
+        if major < 8:
+            raise RuntimeError(f"sm_{major}{minor} has no bf16 conversions (sm_80 or later)")
+        with torch.cuda.device(index):
+            _API = _API or _Api()
+            _API.funcs[index] = _API.load(index, _API.compile(f"sm_{major}{minor}"))
+        return True
+    except (OSError, RuntimeError, AttributeError) as e:
+        _FAILED = str(e)
+        log.warning("q4_0 one-row GEMV in CUDA C++ unavailable (%s); the Triton GEMV is used", e)
+        return False
+
+
+def rows_per_warp(n: int, device: torch.device) -> int:
+    """4 weight rows a warp while that leaves >= 2.5 CTAs (of 4 warps) an SM, else 2 (H100,
+    benchmarks/dev/gemv_cuda_probe.py: qkv 9.5 against 10.7 us, gate_up 32.7 / 35.2, the LM head
+    125.5 / 144.6 at 4; o 7.2 against 8.0, down 18.5 / 21.9 at 2)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 if n >= 40 * sms else 2
+
+
+def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, n: int,
+         nblk: int) -> bool:
+    """out [1, n] = x [1, K] @ W^T for planar q4_0 `codes` / `scales` (quant_planar._views);
+    -> False (nothing launched) where the kernel does not apply: not prepared for this device,
+    x or out not bf16, x not 16-byte aligned."""
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    funcs = _API.funcs.get(index) if _API is not None else None
+    if funcs is None or x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 \
+            or x.data_ptr() % 16 or codes.data_ptr() % 16:
+        return False
+    r = rows_per_warp(n, x.device)
+    args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(codes.data_ptr()),
+            ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_int(n), ctypes.c_int(nblk), ctypes.c_int(_MAGIC)]
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    grid = -(-n // (4 * r))  # 4 warps a CTA, r rows a warp
+    _API.check(_API.cuda.cuLaunchKernel(funcs[r], grid, 1, 1, 128, 1, 1, 0, ctypes.c_void_p(stream),
+                                        params, None), "cuLaunchKernel q4_gemv")
+    return True

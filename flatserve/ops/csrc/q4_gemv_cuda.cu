@@ -1,0 +1,135 @@
+// One-row GEMV on the planar q4_0 weights (flatserve/model/quant_planar.py): out[n] = sum_k x[k]
+// W[n, k], x and out bf16, fp32 sums. Compiled at run time by NVRTC (flatserve/model/cuda_gemv.py):
+// no header, so the conversions are PTX.
+//
+// Why CUDA C++ and not Triton: the Triton FMA GEMV (quant_planar._fma_kernel) with the same
+// arithmetic ran 1.4-1.6x slower on an H100 (L1/TEX-bound at 84%: its x loads came in 8-byte
+// pieces spread over 8 lines a warp); benchmarks/dev/gemv_cuda_probe.py, raw
+// docs/benchmarks/raw/gpu_h100_q4_0_cuda_probe/.
+//
+// Layout: a warp owns R weight rows and walks the whole K, 8 blocks a step: lane (j, c) = (lane /
+// 4, lane % 4) takes block j's values 8c..8c+7, i.e. nibbles 2c and 2c + 1 of the block's 4 code
+// words (nibble s of word w is value 4s + w), so x is one 16-byte load a lane (a warp reads 512
+// contiguous bytes) and the codes one 16-byte load a row (the block's 4 lanes load the same 16
+// bytes). Each nibble becomes q - 8 exactly by one LOP3 into the mantissa of 2^23 (2^19) and one
+// FADD, as quant_planar._field; products and sums are fp32 FMAs, as the Triton kernel's. U steps of
+// loads are issued before their FMAs; the lanes' sums meet in a shuffle tree at the end.
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct alignas(16) U4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ U4 ldg128(const void* p) {
+  U4 v;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u16 ldg16(const u16* p) {
+  u16 v;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float h2f(u16 h) {  // fp16 scale -> fp32
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ u16 f2bf(float f) {  // fp32 -> bf16, round to nearest even
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+
+// One step's products: x chunk xv (8 bf16), each row's 4 code words cv[r] and fp16 scale sv[r].
+template <int R>
+__device__ __forceinline__ void step(const U4& xv, const U4* cv, const u16* sv, float* acc, int sh,
+                                     u32 m0, u32 m1) {
+  const float xf[8] = {bf_lo(xv.x), bf_hi(xv.x), bf_lo(xv.y), bf_hi(xv.y),
+                       bf_lo(xv.z), bf_hi(xv.z), bf_lo(xv.w), bf_hi(xv.w)};
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const u32 w[4] = {cv[r].x >> sh, cv[r].y >> sh, cv[r].z >> sh, cv[r].w >> sh};
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // nibble 2c of word i: value 8c + i; nibble 2c + 1: 8c + 4 + i
+      const float fa = __uint_as_float((w[i] & 0xFu) | m0) - 8388616.f;  // 2^23 + 8
+      const float fb = __uint_as_float((w[i] & 0xF0u) | m1) - 524296.f;  // 2^19 + 8
+      t = fmaf(fa, xf[i], t);
+      t = fmaf(fb, xf[4 + i], t);
+    }
+    acc[r] = fmaf(h2f(sv[r]), t, acc[r]);
+  }
+}
+
+// x [nblk * 32] bf16 (16-byte aligned), codes [N][nblk] x 16 bytes, scales [N][nblk] fp16, out [N]
+// bf16. magic: the bits of 2^23 (a kernel argument: a constant mask and magic would both be
+// immediates, and LOP3 takes one). Rows past N read row N - 1 and store nothing; blocks past nblk
+// (the last step when nblk % 8 != 0) read x as 0 and the last block's codes.
+template <int R, int U>
+__device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
+                                     const u16* __restrict__ scales, u16* __restrict__ out, int N,
+                                     int nblk, int magic) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
+  if (row0 >= N) return;  // a whole warp past the end: no CTA-wide barrier below
+  const int j = lane >> 2, c = lane & 3, sh = 8 * c;
+  const u32 m0 = (u32)magic, m1 = (u32)magic - 0x2000000u;  // bits of 2^23, 2^19
+  const U4* cp[R];
+  const u16* sp[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const size_t n = (size_t)min(row0 + r, N - 1);
+    cp[r] = codes + n * nblk + j;
+    sp[r] = scales + n * nblk + j;
+  }
+  const u16* xp = x + j * 32 + c * 8;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  int kb = 0;
+  for (; kb + 8 * U <= nblk; kb += 8 * U) {
+    U4 xv[U], cv[U][R];
+    u16 sv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      xv[u] = ldg128(xp + (size_t)(kb + 8 * u) * 32);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        cv[u][r] = ldg128(cp[r] + kb + 8 * u);
+        sv[u][r] = ldg16(sp[r] + kb + 8 * u);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) step<R>(xv[u], cv[u], sv[u], acc, sh, m0, m1);
+  }
+  for (; kb < nblk; kb += 8) {
+    const bool in = kb + j < nblk;
+    const int b = in ? kb : nblk - 1 - j;  // this lane's block kb + j, or the row's last block
+    U4 xv = {0u, 0u, 0u, 0u}, cv[R];
+    u16 sv[R];
+    if (in) xv = ldg128(xp + (size_t)kb * 32);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      cv[r] = ldg128(cp[r] + b);
+      sv[r] = ldg16(sp[r] + b);
+    }
+    step<R>(xv, cv, sv, acc, sh, m0, m1);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float v = acc[r];
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0 && row0 + r < N) out[row0 + r] = f2bf(v);
+  }
+}
+
+// 4 warps a CTA; ptxas may use up to 255 registers (1 CTA an SM at the least): ~100-130 used.
+#define GEMV_KERNEL(R)                                                                               \
+  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R(                               \
+      const u16* x, const U4* codes, const u16* scales, u16* out, int N, int nblk, int magic) {    \
+    gemv<R, 4>(x, codes, scales, out, N, nblk, magic);                                            \
+  }
+GEMV_KERNEL(2)
+GEMV_KERNEL(4)

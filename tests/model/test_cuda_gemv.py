@@ -1,0 +1,125 @@
+"""The one-row q4_0 GEMV in CUDA C++ (flatserve/model/cuda_gemv.py, ops/csrc/q4_gemv_cuda.cu):
+against a float64 reference element by element on fresh random blocks and activations, at row
+counts with and without a tail for both rows-per-warp kernels and K with and without a tail step;
+inside a CUDA graph; the fallbacks to the Triton GEMV (unaligned x, the kernel off, a failed
+build). Needs CUDA: the CPU has no such kernel (the Triton interpreter tests cover the planar
+layout there)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA (the kernel is CUDA C++)", allow_module_level=True)
+
+from flatserve.model import cuda_gemv, quant_planar  # noqa: E402
+from flatserve.model.qformats import FORMATS, dequantize  # noqa: E402
+from tests.model.test_qformats import random_blocks  # noqa: E402
+
+FMT = FORMATS["q4_0"]
+DEV = torch.device("cuda")
+
+
+def _weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    raw = random_blocks(FMT, n, k, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+    return quant_planar.repack(raw.to(DEV), FMT), dequantize(raw, FMT, k).double()
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Products d (q - 8) x are exact in fp32 (an fp16 scale times a bf16 x times a 4-bit integer),
+    so only the fp32 sums round: a lane sums 8 products a step, scales by d and adds into its
+    accumulator over nblk / 8 steps, then 5 shuffle levels: at most nblk / 8 + 16 roundings on the
+    way to any output, each 2^-24 of at most sum |term|. The bf16 output then rounds once more
+    (half an ulp: 2^-8 relative)."""
+    xd = x.double().cpu().reshape(-1)
+    ref = w @ xd
+    nblk = x.shape[-1] // 32
+    acc = (nblk / 8 + 16) * 2.0 ** -24 * (w.abs() @ xd.abs())
+    err = (got.double().cpu().reshape(-1) - ref).abs()
+    assert torch.isfinite(got).all()
+    assert (err <= (ref.abs() + acc) * 2.0 ** -8 + acc).all(), (err - (ref.abs() + acc) * 2.0 ** -8 - acc).max()
+
+
+@pytest.fixture(scope="module")
+def ready() -> None:
+    if not cuda_gemv.prepare(DEV):
+        pytest.skip(f"the CUDA C++ GEMV did not build here: {cuda_gemv._FAILED}")
+
+
+# (N, K): tails of 2 (13, 1,000) and 4 rows a warp (6,151 past 40 x the SMs of an H100); K of one
+# block, of a tail step only (640: 20 blocks), of whole 32-block steps (14,336) and both (4,192).
+@pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1000, 4192), (6151, 4096), (300, 14336)])
+def test_gemv_matches_float64_reference(ready, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    p, w = _weights(n, k, g)
+    x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
+    codes, scales, nblk = quant_planar._views(p, FMT)
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
+    _check(out, x, w)
+    via = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    quant_planar.qgemm(x, p, FMT, via)  # qgemm takes the same kernel at one row: the same bits
+    assert torch.equal(via, out)
+
+
+def test_gemv_in_a_cuda_graph_replays_with_new_activations(ready) -> None:
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    n, k = 6151, 4096
+    p, w = _weights(n, k, g)
+    x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
+    out = torch.empty(1, n, dtype=torch.bfloat16, device=DEV)
+    quant_planar.qgemm(x, p, FMT, out)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quant_planar.qgemm(x, p, FMT, out)
+    for _ in range(2):
+        x.copy_(torch.randn(1, k, generator=g).bfloat16())
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = torch.empty_like(out)
+        quant_planar.qgemm(x, p, FMT, eager)
+        assert torch.equal(out, eager)
+        _check(out, x, w)
+
+
+def test_unaligned_or_disabled_falls_back_to_triton(ready, monkeypatch) -> None:
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    n, k = 70, 1024
+    p, w = _weights(n, k, g)
+    codes, scales, nblk = quant_planar._views(p, FMT)
+    buf = torch.randn(1, k + 8, generator=g).bfloat16().to(DEV)
+    x = buf[:, 1:1 + k]  # 2 bytes past a 16-byte boundary
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert not cuda_gemv.gemv(x, codes, scales, out, n, nblk) and torch.isnan(out).all()
+    quant_planar.qgemm(x, p, FMT, out)
+    _check(out, x, w)
+    monkeypatch.setattr(cuda_gemv, "ENABLED", False)
+    monkeypatch.setattr(cuda_gemv, "_API", None)
+    assert not cuda_gemv.prepare(DEV)
+    x = buf[:, :k]
+    out.fill_(float("nan"))
+    quant_planar.qgemm(x, p, FMT, out)
+    _check(out, x, w)
+
+
+def test_a_failed_build_is_reported_once_and_remembered(monkeypatch, caplog) -> None:
+    class Broken:
+        def __init__(self) -> None:
+            raise OSError("no libnvrtc (a test)")
+
+    monkeypatch.setattr(cuda_gemv, "_API", None)
+    monkeypatch.setattr(cuda_gemv, "_FAILED", None)
+    monkeypatch.setattr(cuda_gemv, "_Api", Broken)
+    with caplog.at_level(logging.WARNING, logger="flatserve"):
+        assert not cuda_gemv.prepare(DEV) and not cuda_gemv.prepare(DEV)
+    assert [r.getMessage() for r in caplog.records if "GEMV in CUDA C++" in r.getMessage()] == \
+        ["q4_0 one-row GEMV in CUDA C++ unavailable (no libnvrtc (a test)); the Triton GEMV is used"]
+    x = torch.randn(1, 256).bfloat16().to(DEV)
+    g = torch.Generator().manual_seed(1)
+    p, w = _weights(40, 256, g)
+    out = torch.full((1, 40), float("nan"), dtype=torch.bfloat16, device=DEV)
+    quant_planar.qgemm(x, p, FMT, out)  # the Triton GEMV
+    _check(out, x, w)
