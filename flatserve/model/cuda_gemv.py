@@ -145,8 +145,10 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
     """out [1, n] = x [1, K] @ W^T for planar q4_0 `codes` / `scales` (quant_planar._views);
     -> False (nothing launched) where the kernel does not apply: not prepared for this device,
     x or out not bf16, x not 16-byte aligned."""
+    if _API is None or x.device.type != "cuda":
+        return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    funcs = _API.funcs.get(index) if _API is not None else None
+    funcs = _API.funcs.get(index)
     if funcs is None or x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 \
             or x.data_ptr() % 16 or codes.data_ptr() % 16:
         return False

@@ -24,7 +24,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "cpu_math.h"
@@ -177,11 +179,21 @@ void panel_rows(int64_t rows, const float* x, int64_t xs, const uint16_t* w, int
 // to the OS (device.keep_freed_heap, off without native bf16) these multi-MB copies were faulted
 // in page by page at every call: ~20 MB a call and ~0.7 GB a 512-token prompt step for Gemma 3
 // 270M. Held, they cost the largest call's size once (~10 MB there, run_torch's column chunks).
+// Raw memory wrapped per call (from_blob), not a held at::Tensor: a tensor made inside inference
+// mode (an engine step) could not be written outside it (a test, another engine) and vice versa.
 at::Tensor scratch(int slot, int64_t rows, int64_t cols) {
-  thread_local at::Tensor bufs[3];
-  at::Tensor& b = bufs[slot];
-  if (!b.defined() || b.numel() < rows * cols) b = at::empty({rows * cols}, at::kFloat);
-  return b.narrow(0, 0, rows * cols).view({rows, cols});
+  struct Free { void operator()(float* p) const { std::free(p); } };
+  thread_local std::unique_ptr<float[], Free> bufs[3];
+  thread_local int64_t sizes[3] = {0, 0, 0};
+  const int64_t n = std::max<int64_t>(rows * cols, 1);
+  if (sizes[slot] < n) {
+    bufs[slot].reset();  // the old one first: the peak holds one buffer, not two
+    const size_t bytes = (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
+    bufs[slot].reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(bufs[slot], "avx2 linear: could not allocate ", bytes, " bytes of scratch");
+    sizes[slot] = n;
+  }
+  return at::from_blob(bufs[slot].get(), {rows, cols}, at::TensorOptions().dtype(at::kFloat));
 }
 
 // x [M, K] as fp32, contiguous: the input itself when it already is, else a widened copy (in
