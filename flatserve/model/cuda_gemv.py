@@ -2,7 +2,8 @@
 NVRTC and launched through the CUDA driver API, both through ctypes: no compiler, no toolkit and
 no package beyond what a CUDA build of torch already installs (its nvidia-cuda-nvrtc wheel, the
 driver's libcuda). Where either is missing, the build fails or the GPU is older than sm_80 (bf16
-conversions), quant_planar.qgemm keeps the Triton FMA GEMV, after one notice.
+conversions), quant_planar.qgemm keeps the Triton FMA GEMV, after one notice. The cubin is kept
+in the kernel cache, so only a first start (or a changed source) compiles.
 
 Why: on an H100 the Triton kernel with the same arithmetic was 1.4-1.6x slower per linear
 (docs/performance-gpu.md, "Quantized weights (4-bit) on the GPU"). The launch is a plain
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
 import logging
 import os
 import sys
@@ -45,6 +47,30 @@ class _Api:
             msg = ctypes.c_char_p()
             self.cuda.cuGetErrorString(rc, ctypes.byref(msg))
             raise RuntimeError(f"{what}: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+    def cubin(self, arch: str) -> bytes:
+        """The cubin for `arch`, from the kernel cache (kernel_build.cache_root(), keyed by the
+        source, the arch and NVRTC's version) or built now and stored there: later starts compile
+        nothing (issue #28's rule for the CPU kernels; a build here takes ~0.2 s)."""
+        from flatserve.kernel_build import cache_root
+
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        key = hashlib.sha256(_SRC.read_bytes() + f"{arch} nvrtc {major.value}.{minor.value}".encode())
+        path = cache_root() / f"q4_gemv_cuda-{key.hexdigest()[:16]}.cubin"
+        try:
+            return path.read_bytes()
+        except OSError:
+            pass
+        data = self.compile(arch)
+        try:  # a private name, then one rename: a concurrent start reads a whole file or none
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache: built again at the next start
+        return data
 
     def compile(self, arch: str) -> bytes:
         """The source -> a cubin for `arch` (e.g. sm_90), or RuntimeError with NVRTC's log."""
@@ -124,7 +150,7 @@ def prepare(device: torch.device) -> bool:
             raise RuntimeError(f"sm_{major}{minor} has no bf16 conversions (sm_80 or later)")
         with torch.cuda.device(index):
             _API = _API or _Api()
-            _API.funcs[index] = _API.load(index, _API.compile(f"sm_{major}{minor}"))
+            _API.funcs[index] = _API.load(index, _API.cubin(f"sm_{major}{minor}"))
         return True
     except (OSError, RuntimeError, AttributeError) as e:
         _FAILED = str(e)

@@ -123,3 +123,18 @@ def test_a_failed_build_is_reported_once_and_remembered(monkeypatch, caplog) -> 
     out = torch.full((1, 40), float("nan"), dtype=torch.bfloat16, device=DEV)
     quant_planar.qgemm(x, p, FMT, out)  # the Triton GEMV
     _check(out, x, w)
+
+
+def test_the_cubin_is_built_once_then_read_from_the_kernel_cache(ready, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    major, minor = torch.cuda.get_device_capability(DEV)
+    api = cuda_gemv._API
+    first = api.cubin(f"sm_{major}{minor}")
+    files = list((tmp_path / "flatserve").glob("q4_gemv_cuda-*.cubin"))
+    assert len(files) == 1 and files[0].read_bytes() == first
+
+    def no_build(arch: str) -> bytes:
+        raise AssertionError("built again although the cache holds it")
+
+    monkeypatch.setattr(api, "compile", no_build)
+    assert api.cubin(f"sm_{major}{minor}") == first
