@@ -119,7 +119,8 @@ def _nvrtc_path() -> str:
     """libnvrtc: torch's nvidia wheel (nvidia/cu13/lib, nvidia/cuda_nvrtc/lib), else a toolkit's."""
     major = (torch.version.cuda or "0").split(".")[0]
     roots = [p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))]
-    found = [f for r in roots for f in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib", "libnvrtc.so*")))]
+    found = [f for r in roots
+             for f in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib", "libnvrtc.so*")))]
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
     found = [f for f in found if ".alt." not in f and "builtins" not in f]

@@ -1,5 +1,6 @@
 """What a CPU-only engine keeps resident: no GPU compiler stack (triton, torch._dynamo), no
-symbolic maths (sympy: torch's Python refs import it through torch.fx) and no Python copies of the tokenizer's vocabulary (docs/performance-cpu.md, the RSS paragraph)."""
+symbolic maths (sympy: torch's Python refs import it through torch.fx) and no Python copies of
+the tokenizer's vocabulary (docs/performance-cpu.md, the RSS paragraph)."""
 from __future__ import annotations
 
 import json

@@ -40,7 +40,8 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     acc = (nblk / 8 + 16) * 2.0 ** -24 * (w.abs() @ xd.abs())
     err = (got.double().cpu().reshape(-1) - ref).abs()
     assert torch.isfinite(got).all()
-    assert (err <= (ref.abs() + acc) * 2.0 ** -8 + acc).all(), (err - (ref.abs() + acc) * 2.0 ** -8 - acc).max()
+    bound = (ref.abs() + acc) * 2.0 ** -8 + acc
+    assert (err <= bound).all(), (err - bound).max()
 
 
 @pytest.fixture(scope="module")

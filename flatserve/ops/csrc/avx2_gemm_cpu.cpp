@@ -300,8 +300,12 @@ void run_torch(const at::Tensor& xf, const uint16_t* w, int64_t N, const float* 
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t p = 0; p < (act ? nc / 32 : nc / 16); ++p) {
           const float* cr = cp + r * nc;
-          if (act) store16_gated<T>(cr + 32 * p, cr + 32 * p + 16, act, y + r * (N / 2) + g0 * 8 + 16 * p);
-          else store16<T>(cr + 16 * p, bias ? bias + g0 * 16 + 16 * p : nullptr, y + r * N + g0 * 16 + 16 * p);
+          if (act) {  // p: a gate 16 | up 16 pair, 16 outputs
+            store16_gated<T>(cr + 32 * p, cr + 32 * p + 16, act, y + r * (N / 2) + g0 * 8 + 16 * p);
+          } else {
+            const int64_t col = g0 * 16 + 16 * p;  // panel p's first output column
+            store16<T>(cr + 16 * p, bias ? bias + col : nullptr, y + r * N + col);
+          }
         }
     });
   }
