@@ -43,6 +43,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, ".")
 
@@ -52,38 +53,21 @@ FMA_VARIANTS = [(r, u) for r in (1, 2, 4) for u in (2, 4)]
 MMA_VARIANTS = [(rp, u) for rp in (1, 2, 4) for u in (1, 2, 4)]
 BUILDS = {"": (), "_lb1": ("-DMINB=1",)}  # kernel name suffix -> NVRTC options (see LB in SRC)
 
+# The shipped kernel's source comes first: its types, loads, conversions and FMA step (`step<R>`)
+# are what the fma_* variants here run, so the probe measures the engine's arithmetic.
+SHIPPED = Path(__file__).parents[2] / "flatserve" / "ops" / "csrc" / "q4_gemv_cuda.cu"
 SRC = r"""
 #ifdef MINB  // a variant build: __launch_bounds__(256, MINB), ptxas free to use more registers
 #define LB __launch_bounds__(256, MINB)
 #else
 #define LB __launch_bounds__(256)
 #endif
-typedef unsigned int u32;
-typedef unsigned short u16;
-struct alignas(16) U4 { u32 x, y, z, w; };
-
-__device__ __forceinline__ U4 ldg128(const void* p) {
-  U4 v;
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 __device__ __forceinline__ u32 ldg32(const u32* p) {
   u32 v; asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p)); return v;
-}
-__device__ __forceinline__ u16 ldg16(const u16* p) {
-  u16 v; asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p)); return v;
 }
 __device__ __forceinline__ float ldcg(const float* p) {
   float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p)); return v;
 }
-__device__ __forceinline__ float h2f(u16 h) {
-  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
-}
-__device__ __forceinline__ u16 f2bf(float f) {
-  u16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
-}
-__device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -125,26 +109,6 @@ __device__ __forceinline__ void finish(const float* red, int row0, int nrows, u1
 }
 
 // ---- FMA: 4 lanes a block, lane c the values 8c..8c+7 ----
-template <int R>
-__device__ __forceinline__ void fma_step(const U4& xv, const U4* cv, const u16* sv, float* acc, int sh,
-                                         u32 m0, u32 m1) {
-  const float xf[8] = {bf_lo(xv.x), bf_hi(xv.x), bf_lo(xv.y), bf_hi(xv.y),
-                       bf_lo(xv.z), bf_hi(xv.z), bf_lo(xv.w), bf_hi(xv.w)};
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const u32 w[4] = {cv[r].x >> sh, cv[r].y >> sh, cv[r].z >> sh, cv[r].w >> sh};
-    float t = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // nibble 2c of word i: value 8c + i; nibble 2c + 1: 8c + 4 + i
-      const float fa = __uint_as_float((w[i] & 0xFu) | m0) - 8388616.f;   // 2^23 + 8
-      const float fb = __uint_as_float((w[i] & 0xF0u) | m1) - 524296.f;   // 2^19 + 8
-      t = fmaf(fa, xf[i], t);
-      t = fmaf(fb, xf[4 + i], t);
-    }
-    acc[r] = fmaf(h2f(sv[r]), t, acc[r]);
-  }
-}
-
 template <int R, int U>
 __device__ __forceinline__ void fma_body(const u16* __restrict__ x, const U4* __restrict__ codes,
                                          const u16* __restrict__ scales, u16* out, float* part, int* cnt,
@@ -178,7 +142,7 @@ __device__ __forceinline__ void fma_body(const u16* __restrict__ x, const U4* __
         }
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u) fma_step<R>(xv[u], cv[u], sv[u], acc, sh, m0, m1);
+      for (int u = 0; u < U; ++u) step<R>(xv[u], cv[u], sv[u], acc, sh, m0, m1);
     }
     for (; kb < kend; kb += 8) {
       U4 cv[R];
@@ -189,7 +153,7 @@ __device__ __forceinline__ void fma_body(const u16* __restrict__ x, const U4* __
         cv[r] = ldg128(cp + (size_t)r * nblk + kb);
         sv[r] = ldg16(sp + (size_t)r * nblk + kb);
       }
-      fma_step<R>(xv, cv, sv, acc, sh, m0, m1);
+      step<R>(xv, cv, sv, acc, sh, m0, m1);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -314,7 +278,7 @@ extern "C" __global__ void LB mma_rp{RP}_u{U}(const u16* x, const u32* codes,
 
 
 def source() -> str:
-    return SRC + "".join(_FMA_INST.format(R=r, U=u) for r, u in FMA_VARIANTS) \
+    return SHIPPED.read_text() + SRC + "".join(_FMA_INST.format(R=r, U=u) for r, u in FMA_VARIANTS) \
         + "".join(_MMA_INST.format(RP=rp, U=u) for rp, u in MMA_VARIANTS)
 
 
