@@ -139,6 +139,29 @@ def supports_cuda_graphs(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether the CUDA decode kernels launch with programmatic dependent launch (PDL): each
+    starts while the one before it finishes, waits (griddepcontrol.wait) before reading what
+    that one wrote, and a GEMV streams its weights in meanwhile (flatserve/ops/pdl.py). Hopper
+    (sm_90) or later, a Triton that launches it, and FLATSERVE_PDL not "0" (the A/B)."""
+    if device.type != "cuda" or os.environ.get("FLATSERVE_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _pdl_capable(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    if torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor -> device without blocking the host: from pinned memory on CUDA (a copy
     from pageable memory may wait for the stream, which would undo async scheduling)."""

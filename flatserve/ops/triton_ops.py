@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flatserve.ops import pdl
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -32,7 +34,9 @@ def _round(x, dtype: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, stride_x, stride_r, stride_y, N, eps,
-                     HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -63,7 +67,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool,
     block = triton.next_power_of_2(H)
     _rms_norm_kernel[(N,)](x, r, w, y, x.stride(0), r.stride(0), y.stride(0), H, eps,
                            HAS_RES=residual is not None, OFFSET=offset, BLOCK=block,
-                           num_warps=4 if block >= 2048 else 2)
+                           num_warps=4 if block >= 2048 else 2, **pdl.launch(x.device))
     return y
 
 
@@ -71,10 +75,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool,
 def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, table_len, Hq, eps,
                          NORM: tl.constexpr, OFFSET: tl.constexpr, HALF: tl.constexpr,
-                         HALF_P: tl.constexpr, PASS: tl.constexpr, PASS_P: tl.constexpr):
+                         HALF_P: tl.constexpr, PASS: tl.constexpr, PASS_P: tl.constexpr,
+                         PDL: tl.constexpr):
     """One (token, head): dims [0, 2 HALF) rotate in two halves, [2 HALF, 2 HALF + PASS) pass
     through (partial rotary); each part is padded to a power of two (HALF_P, PASS_P) and masked,
     so any even head size runs (Phi-3's 96, half 48; 80, half 40)."""
+    pdl.sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if h < Hq:
@@ -149,11 +155,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         q, k, positions, cos_sin, q_w if norm else q, k_w if norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.shape[1], Hq, eps,
         NORM=norm, OFFSET=offset, HALF=half, HALF_P=triton.next_power_of_2(half), PASS=rest,
-        PASS_P=triton.next_power_of_2(max(rest, 1)), num_warps=1)
+        PASS_P=triton.next_power_of_2(max(rest, 1)), num_warps=1, **pdl.launch(q.device))
 
 
 @triton.jit
-def _act_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, GELU: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl.sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < I
@@ -186,5 +194,6 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
         return y
     block = min(1024, triton.next_power_of_2(I))
     _act_mul_kernel[(T, triton.cdiv(I, block))](x, y, x.stride(0), y.stride(0), I,
-                                                GELU=act != "silu", BLOCK=block, num_warps=4)
+                                                GELU=act != "silu", BLOCK=block, num_warps=4,
+                                                **pdl.launch(x.device))
     return y

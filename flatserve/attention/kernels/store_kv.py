@@ -5,12 +5,16 @@ import torch
 import triton
 import triton.language as tl
 
+from flatserve.ops import pdl
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
-                     BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.sync(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -39,5 +43,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(T, H)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], HEAD=D, HEAD_P=triton.next_power_of_2(D))
+        BLOCK_SIZE=k_cache.shape[1], HEAD=D, HEAD_P=triton.next_power_of_2(D), **pdl.launch(k.device))
 

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from flatserve.attention.base import LayerAttnParams
 from flatserve.attention.metadata import AttentionMetadata
+from flatserve.ops import pdl
 
 
 @triton.jit
@@ -92,7 +93,8 @@ def _attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, sink
                  HEAD_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                  TILE: tl.constexpr, SEGMENTS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                  USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, IEEE: tl.constexpr,
-                 USE_MAP: tl.constexpr):
+                 USE_MAP: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
@@ -164,7 +166,8 @@ def _attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, sink
 
 @triton.jit
 def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads,
-                  HEAD: tl.constexpr, HEAD_P: tl.constexpr, SEGMENTS: tl.constexpr):
+                  HEAD: tl.constexpr, HEAD_P: tl.constexpr, SEGMENTS: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     sg = tl.arange(0, SEGMENTS)
@@ -263,6 +266,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if segments > 1:
         part_acc = torch.empty(T, Hq, segments, hp, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, Hq, segments, 2, dtype=torch.float32, device=q.device)
+    launch = pdl.launch(q.device)
     _attn_kernel[grid](
         out, part_acc, part_ml, q, k_cache, v_cache, sinks if sinks is not None else q,
         meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
@@ -272,9 +276,9 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         NUM_QPK=qpk, BLOCK_SIZE=bs, HEAD=D, HEAD_P=hp, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
         SEGMENTS=segments, USE_SOFTCAP=p.softcap is not None, USE_WINDOW=p.sliding_window is not None,
         USE_SINKS=sinks is not None, IEEE=q.dtype == torch.float32, USE_MAP=seq_map is not None,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **launch,
         **({"maxnreg": DECODE_MAXNREG} if meta.is_decode_only and DECODE_MAXNREG else {}))
     if segments > 1:
         _merge_kernel[(T, Hq)](out, part_acc, part_ml, out.stride(0), out.stride(1), Hq,
-                               HEAD=D, HEAD_P=hp, SEGMENTS=segments)
+                               HEAD=D, HEAD_P=hp, SEGMENTS=segments, **launch)
     return out
