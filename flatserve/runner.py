@@ -101,12 +101,10 @@ class ModelRunner:
             layer.kv_cache = (self.kv[i, 0], self.kv[i, 1])  # [num_blocks, block_size, Hkv, D]
             layer.backend = self.backend
         # CPU decode steps: the decoder layers in one C++ call where the model runs on its
-        # kernels (model/cpu_stack.py); one-row CUDA steps: the norms folded into the 4-bit GEMVs
-        # (model/cuda_row.py); None keeps the Python layers.
+        # kernels (model/cpu_stack.py); None keeps the Python layers.
         for m in model.modules():
             if isinstance(m, DecoderLayers):
-                m.fast = cpu_stack_build(m, self.backend) if cpu_stack and device.type == "cpu" \
-                    else _cuda_row(m) if device.type == "cuda" else None
+                m.fast = cpu_stack_build(m, self.backend) if cpu_stack and device.type == "cpu" else None
         self.num_forward_tokens = 0  # tokens the model actually ran (prefix-cache tests read it)
         self.graphs = None
         if graph_max_seqs > 0 and dev.supports_cuda_graphs(device) and backend == "triton":
@@ -261,9 +259,3 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, groups: list[Group]
         r += n
     has_drafts = any(d for _, d in groups)
     return torch.cat(toks), torch.cat(accs) if has_drafts else None, lps, failed
-
-
-def _cuda_row(layers: DecoderLayers) -> Callable | None:
-    from flatserve.model import cuda_row  # imports Triton: CUDA runs only
-
-    return cuda_row.build(layers)

@@ -9,8 +9,8 @@ Why: on an H100 the Triton kernel with the same arithmetic was 1.4-1.6x slower p
 (docs/performance-gpu.md, "Quantized weights (4-bit) on the GPU"). The launch is a plain
 cuLaunchKernel on torch's current stream, so CUDA graphs capture it like any kernel; `prepare`
 builds and loads the module at weight load time, outside any capture. On sm_90 it is launched
-with programmatic dependent launch (cuLaunchKernelEx; flatserve/ops/pdl.py): it prefetches its
-weights while the kernel before it finishes.
+with programmatic dependent launch (cuLaunchKernelEx; flatserve/ops/pdl.py): it issues its first
+weight loads before it waits for the kernel before it.
 """
 from __future__ import annotations
 
@@ -56,8 +56,7 @@ class _Api:
             if ".alt." not in b:
                 ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
         self.nvrtc = ctypes.CDLL(path)
-        # device -> (kernel name, rows per warp) -> CUfunction
-        self.funcs: dict[int, dict[tuple[str, int], ctypes.c_void_p]] = {}
+        self.funcs: dict[int, dict[int, ctypes.c_void_p]] = {}  # device -> rows per warp -> CUfunction
 
     def check(self, rc: int, what: str) -> None:
         if rc:
@@ -113,7 +112,7 @@ class _Api:
         finally:
             self.nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
-    def load(self, index: int, cubin: bytes) -> dict[tuple[str, int], ctypes.c_void_p]:
+    def load(self, index: int, cubin: bytes) -> dict[int, ctypes.c_void_p]:
         """The module into device `index`'s primary context (torch's), -> its kernels."""
         ctx = ctypes.c_void_p()
         self.check(self.cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
@@ -124,12 +123,11 @@ class _Api:
             self.check(self.cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         mod, funcs = ctypes.c_void_p(), {}
         self.check(self.cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
-        for name in ("q4_gemv", "q4_gemv_norm"):
-            for r in (2, 4):
-                f = ctypes.c_void_p()
-                self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, f"{name}_r{r}".encode()),
-                           "cuModuleGetFunction")
-                funcs[name, r] = f
+        for r in (2, 4):
+            f = ctypes.c_void_p()
+            self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, f"q4_gemv_r{r}".encode()),
+                       "cuModuleGetFunction")
+            funcs[r] = f
         return funcs
 
 
@@ -185,67 +183,33 @@ def rows_per_warp(n: int, device: torch.device) -> int:
     return 4 if n >= 40 * sms else 2
 
 
-def _funcs(t: torch.Tensor) -> dict[tuple[str, int], ctypes.c_void_p] | None:
-    if _API is None or t.device.type != "cuda":
-        return None
-    return _API.funcs.get(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
-def _aligned(*ts: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in ts)
-
-
 def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, n: int,
          nblk: int) -> bool:
     """out [1, n] = x [1, K] @ W^T for planar q4_0 `codes` / `scales` (quant_planar._views);
     -> False (nothing launched) where the kernel does not apply: not prepared for this device,
     x or out not bf16, x not 16-byte aligned."""
-    funcs = _funcs(x)
-    if funcs is None or x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not _aligned(x, codes):
+    if _API is None or x.device.type != "cuda":
         return False
-    _launch(funcs, "q4_gemv", x.device, n, 0, [ctypes.c_void_p(x.data_ptr())], codes, scales, out, nblk)
-    return True
-
-
-MAX_NORM_K = 24576  # the folded norm's row in shared memory: 48 KB, the limit without an opt-in
-
-
-def gemv_norm(d: torch.Tensor, res: torch.Tensor | None, w: torch.Tensor, eps: float,
-              res_out: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor,
-              out: torch.Tensor, n: int, nblk: int) -> bool:
-    """out [1, n] = rms_norm(d + res) @ W^T (Llama's norm: w * (h / rms(h)), bf16 roundings as
-    triton_ops.rms_norm), h = d + res also stored to res_out (res None: h = d, nothing stored);
-    d, res, w, res_out bf16 rows of K. -> False (nothing launched) where it does not apply."""
-    k = nblk * 32
-    ts = [d, w] + [t for t in (res, res_out) if t is not None]
-    funcs = _funcs(d)
-    if funcs is None or k > MAX_NORM_K or out.dtype != torch.bfloat16 \
-            or any(t.dtype != torch.bfloat16 or t.numel() != k for t in ts) or not _aligned(codes, *ts):
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    funcs = _API.funcs.get(index)
+    if funcs is None or x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 \
+            or x.data_ptr() % 16 or codes.data_ptr() % 16:
         return False
-    ptr = [ctypes.c_void_p(d.data_ptr()), ctypes.c_void_p(0 if res is None else res.data_ptr()),
-           ctypes.c_void_p(w.data_ptr()), ctypes.c_float(eps),
-           ctypes.c_void_p(0 if res_out is None else res_out.data_ptr())]
-    _launch(funcs, "q4_gemv_norm", d.device, n, 2 * k, ptr, codes, scales, out, nblk)
-    return True
-
-
-def _launch(funcs: dict[tuple[str, int], ctypes.c_void_p], name: str, device: torch.device, n: int,
-            smem: int, head: list, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-            nblk: int) -> None:
-    r = rows_per_warp(n, device)
-    pdl = programmatic_launch(device)
-    args = head + [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
-                   ctypes.c_void_p(out.data_ptr()), ctypes.c_int(n), ctypes.c_int(nblk),
-                   ctypes.c_int(_MAGIC), ctypes.c_int(int(pdl))]
+    r = rows_per_warp(n, x.device)
+    pdl = programmatic_launch(x.device)
+    args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(codes.data_ptr()),
+            ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_int(n), ctypes.c_int(nblk), ctypes.c_int(_MAGIC), ctypes.c_int(int(pdl))]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = torch.cuda.current_stream(x.device).cuda_stream
     grid = -(-n // (4 * r))  # 4 warps a CTA, r rows a warp
     if not pdl:
-        _API.check(_API.cuda.cuLaunchKernel(funcs[name, r], grid, 1, 1, 128, 1, 1, smem,
-                                            ctypes.c_void_p(stream), params, None), f"cuLaunchKernel {name}")
-        return
+        _API.check(_API.cuda.cuLaunchKernel(funcs[r], grid, 1, 1, 128, 1, 1, 0, ctypes.c_void_p(stream),
+                                            params, None), "cuLaunchKernel q4_gemv")
+        return True
     attr = _LaunchAttr(id=_PDL_ATTR, value=1)
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(128, 1, 1),
-                        smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=1)
-    _API.check(_API.cuda.cuLaunchKernelEx(ctypes.byref(cfg), funcs[name, r], params, None),
-               f"cuLaunchKernelEx {name}")
+                        smem=0, stream=stream, attrs=ctypes.pointer(attr), num_attrs=1)
+    _API.check(_API.cuda.cuLaunchKernelEx(ctypes.byref(cfg), funcs[r], params, None),
+               "cuLaunchKernelEx q4_gemv")
+    return True

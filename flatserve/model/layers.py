@@ -320,12 +320,8 @@ class Attention(nn.Module):
         self.fused: Callable[..., None] | None = None  # q/k norm + rotary in one kernel
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), positions)
-
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The rest after the q/k/v projection: qkv [T, (Hq + 2 Hkv) D] -> o_proj's output [T, H]."""
-        T = qkv.shape[0]
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], -1)
         q = q.view(T, self.hq, self.d)  # [T, Hq, D]
         k = k.view(T, self.hkv, self.d)  # [T, Hkv, D]
         v = v.view(T, self.hkv, self.d)

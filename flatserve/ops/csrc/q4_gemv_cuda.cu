@@ -18,12 +18,6 @@
 // Launched with programmatic dependent launch (pdl = 1, sm_90; flatserve/ops/pdl.py), a warp
 // issues its first step's weight loads, then waits for the kernel before it (griddepcontrol.wait)
 // and only then reads x.
-//
-// q4_gemv_norm_r*: the RMSNorm before the linear folded in (a Llama layer's input and
-// post-attention norms at one row; flatserve/model/cuda_row.py). Each CTA first forms the running
-// residual h = bf16(delta + residual), which CTA 0 also stores to res_out, then
-// x = bf16(w * bf16(h / rms(h))) in shared memory, the roundings of triton_ops._rms_norm_kernel
-// (its sum of squares in another order), and the warps read x from there.
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct alignas(16) U4 { u32 x, y, z, w; };
@@ -33,10 +27,6 @@ __device__ __forceinline__ U4 ldg128(const void* p) {
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-__device__ __forceinline__ U4 lds128(const void* p) {  // from shared memory (generic address)
-  return *(const U4*)p;
-}
-__device__ __forceinline__ void stg128(void* p, const U4& v) { *(U4*)p = v; }
 __device__ __forceinline__ u16 ldg16(const u16* p) {
   u16 v;
   asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
@@ -99,68 +89,14 @@ __device__ __forceinline__ void pdl_sync() {
 #endif
 }
 
-// The folded RMSNorm's inputs: delta and residual (null: the layer's first norm, h = delta), its
-// weight, eps, and where CTA 0 stores h (null: nowhere).
-struct NormArgs {
-  const u16* d;
-  const u16* res;
-  const u16* w;
-  float eps;
-  u16* res_out;
-};
-
-__device__ __forceinline__ u32 pack_bf(float lo, float hi) { return f2bf(lo) | ((u32)f2bf(hi) << 16); }
-
-// xs [K] (shared) = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))), h = bf16(d + res): the whole CTA.
-__device__ void norm_row(const NormArgs& a, int K, u16* xs) {
-  __shared__ float part[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  float ss = 0.f;
-  for (int i = threadIdx.x * 8; i < K; i += blockDim.x * 8) {
-    U4 h = ldg128(a.d + i);
-    if (a.res) {
-      const U4 r = ldg128(a.res + i);
-      h = {pack_bf(bf_lo(h.x) + bf_lo(r.x), bf_hi(h.x) + bf_hi(r.x)),
-           pack_bf(bf_lo(h.y) + bf_lo(r.y), bf_hi(h.y) + bf_hi(r.y)),
-           pack_bf(bf_lo(h.z) + bf_lo(r.z), bf_hi(h.z) + bf_hi(r.z)),
-           pack_bf(bf_lo(h.w) + bf_lo(r.w), bf_hi(h.w) + bf_hi(r.w))};
-      if (a.res_out && blockIdx.x == 0) stg128(a.res_out + i, h);
-    }
-    const u32 hw[4] = {h.x, h.y, h.z, h.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) ss += bf_lo(hw[q]) * bf_lo(hw[q]) + bf_hi(hw[q]) * bf_hi(hw[q]);
-    stg128(xs + i, h);
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (lane == 0) part[warp] = ss;
-  __syncthreads();
-  float tot = 0.f;
-  for (int q = 0; q < nw; ++q) tot += part[q];
-  const float inv = rsqrtf(tot / (float)K + a.eps);
-  for (int i = threadIdx.x * 8; i < K; i += blockDim.x * 8) {  // this thread's own chunks
-    const U4 h = lds128(xs + i), w = ldg128(a.w + i);
-    const u32 hw[4] = {h.x, h.y, h.z, h.w}, ww[4] = {w.x, w.y, w.z, w.w};
-    u32 o[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float lo = bf_lo(ww[q]) * bf_lo(pack_bf(bf_lo(hw[q]) * inv, 0.f));
-      const float hi = bf_hi(ww[q]) * bf_hi(pack_bf(0.f, bf_hi(hw[q]) * inv));
-      o[q] = pack_bf(lo, hi);
-    }
-    stg128(xs + i, U4{o[0], o[1], o[2], o[3]});
-  }
-  __syncthreads();
-}
-
 // x [nblk * 32] bf16 (16-byte aligned), codes [N][nblk] x 16 bytes, scales [N][nblk] fp16, out [N]
 // bf16. magic: the bits of 2^23 (a kernel argument: a constant mask and magic would both be
 // immediates, and LOP3 takes one). Rows past N read row N - 1 and store nothing; blocks past nblk
 // (the last step when nblk % 8 != 0) read x as 0 and the last block's codes.
-template <int R, int U, bool NORM>
+template <int R, int U>
 __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
                                      const u16* __restrict__ scales, u16* __restrict__ out, int N,
-                                     int nblk, int magic, int pdl, const NormArgs& na) {
+                                     int nblk, int magic, int pdl) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
   const int j = lane >> 2, c = lane & 3, sh = 8 * c;
@@ -180,11 +116,6 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
   u16 sv[U][R];
   if (8 * U <= nblk) load_weights<R, U>(cp, sp, 0, cv, sv);
   if (pdl) pdl_sync();  // every warp, the ones past N too: nothing below runs before the last kernel ends
-  extern __shared__ __align__(16) u16 xs[];  // NORM: the normalized row, nblk * 32 values
-  if (NORM) {
-    norm_row(na, nblk * 32, xs);
-    x = xs;
-  }
   if (row0 >= N) return;  // a whole warp past the end: no CTA-wide barrier below
   const u16* xp = x + j * 32 + c * 8;
   float acc[R];
@@ -194,10 +125,7 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
   for (; kb + 8 * U <= nblk; kb += 8 * U) {
     U4 xv[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const u16* p = xp + (size_t)(kb + 8 * u) * 32;
-      xv[u] = NORM ? lds128(p) : ldg128(p);
-    }
+    for (int u = 0; u < U; ++u) xv[u] = ldg128(xp + (size_t)(kb + 8 * u) * 32);
     if (kb) load_weights<R, U>(cp, sp, kb, cv, sv);
 #pragma unroll
     for (int u = 0; u < U; ++u) step<R>(xv[u], cv[u], sv[u], acc, sh, m0, m1);
@@ -207,7 +135,7 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
     const int b = in ? kb : nblk - 1 - j;  // this lane's block kb + j, or the row's last block
     U4 xv = {0u, 0u, 0u, 0u}, cv[R];
     u16 sv[R];
-    if (in) xv = NORM ? lds128(xp + (size_t)kb * 32) : ldg128(xp + (size_t)kb * 32);
+    if (in) xv = ldg128(xp + (size_t)kb * 32);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       cv[r] = ldg128(cp[r] + b);
@@ -229,13 +157,7 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
   extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R(                               \
       const u16* x, const U4* codes, const u16* scales, u16* out, int N, int nblk, int magic,      \
       int pdl) {                                                                                   \
-    gemv<R, 4, false>(x, codes, scales, out, N, nblk, magic, pdl, NormArgs{});                    \
-  }                                                                                                \
-  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_norm_r##R(                          \
-      const u16* d, const u16* res, const u16* w, float eps, u16* res_out, const U4* codes,        \
-      const u16* scales, u16* out, int N, int nblk, int magic, int pdl) {                          \
-    gemv<R, 4, true>(nullptr, codes, scales, out, N, nblk, magic, pdl,                             \
-                     NormArgs{d, res, w, eps, res_out});                                           \
+    gemv<R, 4>(x, codes, scales, out, N, nblk, magic, pdl);                                       \
   }
 GEMV_KERNEL(2)
 GEMV_KERNEL(4)
