@@ -53,8 +53,9 @@ FMA_VARIANTS = [(r, u) for r in (1, 2, 4) for u in (2, 4)]
 MMA_VARIANTS = [(rp, u) for rp in (1, 2, 4) for u in (1, 2, 4)]
 BUILDS = {"": (), "_lb1": ("-DMINB=1",)}  # kernel name suffix -> NVRTC options (see LB in SRC)
 
-# The shipped kernel's source comes first: its types, loads, conversions and FMA step (`step<R>`)
-# are what the fma_* variants here run, so the probe measures the engine's arithmetic.
+# The shipped kernel's source comes first: its types, loads, conversions, FMA step (`step<R>`) and
+# tensor-core step (`mma_step<RP>`) are what the variants here run: the probe measures the
+# engine's arithmetic.
 SHIPPED = Path(__file__).parents[2] / "flatserve" / "ops" / "csrc" / "q4_gemv_cuda.cu"
 SRC = r"""
 #ifdef MINB  // a variant build: __launch_bounds__(256, MINB), ptxas free to use more registers
@@ -62,9 +63,6 @@ SRC = r"""
 #else
 #define LB __launch_bounds__(256)
 #endif
-__device__ __forceinline__ u32 ldg32(const u32* p) {
-  u32 v; asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p)); return v;
-}
 __device__ __forceinline__ float ldcg(const float* p) {
   float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p)); return v;
 }
@@ -73,16 +71,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__device__ __forceinline__ void mma_bf16(float& c0, float& c1, float& c2, float& c3, u32 a0, u32 a1,
-                                         u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// red[0, nrows): this CTA's sums for rows row0.. over its K range. S = gridDim.y == 1: bf16 out;
-// else the partial to part[split, row], and the last CTA of the tile adds the S partials in order.
 __device__ __forceinline__ void finish(const float* red, int row0, int nrows, u16* out, float* part,
                                        int* cnt, int N, int tile, int* flag) {
   __syncthreads();
@@ -165,24 +153,6 @@ __device__ __forceinline__ void fma_body(const u16* __restrict__ x, const U4* __
 }
 
 // ---- MMA: a pair of rows x 8 blocks per mma pair, C's diagonal ----
-template <int RP>
-__device__ __forceinline__ void mma_step(const u32* w, const u16* sv, const U4& xv, float cr, float* acc,
-                                         bool odd) {
-  const u32 M = 0x000F000Fu, B = 0x43004300u;  // bf16 128 + q, nibbles k and k + 4 of a word
-#pragma unroll
-  for (int p = 0; p < RP; ++p) {
-    const u32 w0 = w[2 * p], w1 = w[2 * p + 1];
-    const u32 p0 = (w0 & M) | B, p1 = ((w0 >> 4) & M) | B, p2 = ((w0 >> 8) & M) | B, p3 = ((w0 >> 12) & M) | B;
-    const u32 q0 = (w1 & M) | B, q1 = ((w1 >> 4) & M) | B, q2 = ((w1 >> 8) & M) | B, q3 = ((w1 >> 12) & M) | B;
-    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
-    mma_bf16(c0, c1, c2, c3, p0, q0, p1, q1, xv.x, xv.y);  // nibbles (0,4), (1,5)
-    mma_bf16(c0, c1, c2, c3, p2, q2, p3, q3, xv.z, xv.w);  // nibbles (2,6), (3,7)
-    const float v0 = odd ? c1 : c0, v1 = odd ? c3 : c2;
-    acc[2 * p] = fmaf(h2f(sv[2 * p]), v0 - cr, acc[2 * p]);
-    acc[2 * p + 1] = fmaf(h2f(sv[2 * p + 1]), v1 - cr, acc[2 * p + 1]);
-  }
-}
-
 template <int RP, int U>
 __device__ __forceinline__ void mma_body(const u16* __restrict__ x, const u32* __restrict__ codes,
                                          const u16* __restrict__ scales, u16* out, float* part, int* cnt,

@@ -30,6 +30,9 @@ log = logging.getLogger("flatserve")
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "q4_gemv_cuda.cu"
 _MAGIC = 0x4B000000  # the bits of 2^23 (the kernel's nibble-to-float trick)
 ENABLED = True  # False: qgemm keeps the Triton GEMV (the benchmark's A/B)
+# The tensor-core kernel for the 4-rows-a-warp shapes ("0": the FMA kernel there, the A/B).
+MMA = os.environ.get("FLATSERVE_GEMV_MMA", "1") != "0"
+_MMA_SMEM_MAX = 48 * 1024  # dynamic shared memory without an opt-in: 68 bytes a block of x
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 
 
@@ -56,7 +59,8 @@ class _Api:
             if ".alt." not in b:
                 ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
         self.nvrtc = ctypes.CDLL(path)
-        self.funcs: dict[int, dict[int, ctypes.c_void_p]] = {}  # device -> rows per warp -> CUfunction
+        # device -> kernel -> CUfunction: 2 and 4 (rows a warp, FMA), "mma" (2 row pairs a warp)
+        self.funcs: dict[int, dict[int | str, ctypes.c_void_p]] = {}
 
     def check(self, rc: int, what: str) -> None:
         if rc:
@@ -112,7 +116,7 @@ class _Api:
         finally:
             self.nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
-    def load(self, index: int, cubin: bytes) -> dict[int, ctypes.c_void_p]:
+    def load(self, index: int, cubin: bytes) -> dict[int | str, ctypes.c_void_p]:
         """The module into device `index`'s primary context (torch's), -> its kernels."""
         ctx = ctypes.c_void_p()
         self.check(self.cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
@@ -123,11 +127,11 @@ class _Api:
             self.check(self.cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         mod, funcs = ctypes.c_void_p(), {}
         self.check(self.cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
-        for r in (2, 4):
+        for key, name in ((2, "q4_gemv_r2"), (4, "q4_gemv_r4"), ("mma", "q4_mma_rp2")):
             f = ctypes.c_void_p()
-            self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, f"q4_gemv_r{r}".encode()),
+            self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()),
                        "cuModuleGetFunction")
-            funcs[r] = f
+            funcs[key] = f
         return funcs
 
 
@@ -196,20 +200,23 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
             or x.data_ptr() % 16 or codes.data_ptr() % 16:
         return False
     r = rows_per_warp(n, x.device)
+    smem = 68 * (-(-nblk // 8) * 8) if r == 4 and MMA else 0  # the x table of q4_mma_rp2
+    kernel = funcs["mma" if 0 < smem <= _MMA_SMEM_MAX else r]
+    smem = smem if smem <= _MMA_SMEM_MAX else 0
     pdl = programmatic_launch(x.device)
     args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(codes.data_ptr()),
             ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
             ctypes.c_int(n), ctypes.c_int(nblk), ctypes.c_int(_MAGIC), ctypes.c_int(int(pdl))]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    grid = -(-n // (4 * r))  # 4 warps a CTA, r rows a warp
+    grid = -(-n // (4 * r))  # 4 warps a CTA, r rows a warp (the mma kernel: 2 pairs, as r = 4)
     if not pdl:
-        _API.check(_API.cuda.cuLaunchKernel(funcs[r], grid, 1, 1, 128, 1, 1, 0, ctypes.c_void_p(stream),
+        _API.check(_API.cuda.cuLaunchKernel(kernel, grid, 1, 1, 128, 1, 1, smem, ctypes.c_void_p(stream),
                                             params, None), "cuLaunchKernel q4_gemv")
         return True
     attr = _LaunchAttr(id=_PDL_ATTR, value=1)
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(128, 1, 1),
-                        smem=0, stream=stream, attrs=ctypes.pointer(attr), num_attrs=1)
-    _API.check(_API.cuda.cuLaunchKernelEx(ctypes.byref(cfg), funcs[r], params, None),
+                        smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=1)
+    _API.check(_API.cuda.cuLaunchKernelEx(ctypes.byref(cfg), kernel, params, None),
                "cuLaunchKernelEx q4_gemv")
     return True

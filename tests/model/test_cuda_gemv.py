@@ -28,20 +28,31 @@ def _weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Te
     return quant_planar.repack(raw.to(DEV), FMT), dequantize(raw, FMT, k).double()
 
 
-def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None) -> None:
     """Products d (q - 8) x are exact in fp32 (an fp16 scale times a bf16 x times a 4-bit integer),
     so only the fp32 sums round: a lane sums 8 products a step, scales by d and adds into its
     accumulator over nblk / 8 steps, then 5 shuffle levels: at most nblk / 8 + 16 roundings on the
     way to any output, each 2^-24 of at most sum |term|. The bf16 output then rounds once more
-    (half an ulp: 2^-8 relative)."""
+    (half an ulp: 2^-8 relative). With `scales` (fp16 [N, nblk]: the tensor-core kernel ran), each
+    block's sum C = sum (128 + q) x (two mma's, fp32) less 136 sum(x) cancels: |C| <= 143
+    sum |x| and 136 sum(x) carries 33 roundings of sum |x|, so each block adds at most
+    |d| (2^-21 143 + 2^-24 136 33) sum |x| < 2^-11 |d| sum |x| more."""
     xd = x.double().cpu().reshape(-1)
     ref = w @ xd
     nblk = x.shape[-1] // 32
     acc = (nblk / 8 + 16) * 2.0 ** -24 * (w.abs() @ xd.abs())
+    if scales is not None:
+        acc = acc + 2.0 ** -11 * (scales.double().abs().cpu() @ xd.abs().reshape(nblk, 32).sum(1))
     err = (got.double().cpu().reshape(-1) - ref).abs()
     assert torch.isfinite(got).all()
     bound = (ref.abs() + acc) * 2.0 ** -8 + acc
     assert (err <= bound).all(), (err - bound).max()
+
+
+def mma_scales(p: torch.Tensor) -> torch.Tensor | None:
+    """The scales _check needs where gemv takes the tensor-core kernel for weights `p`."""
+    n = p.shape[0]
+    return quant_planar._views(p, FMT)[1] if cuda_gemv.MMA and cuda_gemv.rows_per_warp(n, DEV) == 4 else None
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +61,21 @@ def ready() -> None:
         pytest.skip(f"the CUDA C++ GEMV did not build here: {cuda_gemv._FAILED}")
 
 
-# (N, K): tails of 2 (13, 1,000) and 4 rows a warp (6,151 past 40 x the SMs of an H100); K of one
-# block, of a tail step only (640: 20 blocks), of whole 32-block steps (14,336) and both (4,192).
-@pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1000, 4192), (6151, 4096), (300, 14336)])
-def test_gemv_matches_float64_reference(ready, n: int, k: int) -> None:
+# (N, K): tails of 2 (13, 1,000) and 4 rows a warp (from 40 x the SMs: 5,280 rows on an H100);
+# K of one block, of a tail step only (640: 20 blocks), of whole 32-block steps (14,336) and both
+# (4,192). From 4 rows a warp the tensor-core kernel runs (mma), or the FMA one where it is off.
+@pytest.mark.parametrize("mma", [True, False])
+@pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1000, 4192), (6151, 4096), (300, 14336),
+                                 (5400, 640), (5301, 4192)])
+def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, mma: bool) -> None:
+    monkeypatch.setattr(cuda_gemv, "MMA", mma)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     p, w = _weights(n, k, g)
     x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
     codes, scales, nblk = quant_planar._views(p, FMT)
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
-    _check(out, x, w)
+    _check(out, x, w, mma_scales(p))
     via = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     quant_planar.qgemm(x, p, FMT, via)  # qgemm takes the same kernel at one row: the same bits
     assert torch.equal(via, out)
@@ -83,7 +98,7 @@ def test_gemv_in_a_cuda_graph_replays_with_new_activations(ready) -> None:
         eager = torch.empty_like(out)
         quant_planar.qgemm(x, p, FMT, eager)
         assert torch.equal(out, eager)
-        _check(out, x, w)
+        _check(out, x, w, mma_scales(p))
 
 
 def test_unaligned_or_disabled_falls_back_to_triton(ready, monkeypatch) -> None:

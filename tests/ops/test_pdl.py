@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 from flatserve import device as dev  # noqa: E402
 from flatserve.model import cuda_gemv, quant_planar  # noqa: E402
 from flatserve.ops import triton_ops  # noqa: E402
-from tests.model.test_cuda_gemv import FMT, _check, _weights  # noqa: E402
+from tests.model.test_cuda_gemv import FMT, _check, _weights, mma_scales  # noqa: E402
 
 DEV = torch.device("cuda")
 ROWS, H, N = 8192, 4096, 6151  # the norm over 8,192 rows takes tens of us: the GEMV waits on it
@@ -60,7 +60,7 @@ def test_pdl_chain_gives_the_bits_of_plain_launches(ready, monkeypatch) -> None:
         runs[pdl] = (y, z, r, out)
     for a, b in zip(runs["1"], runs["0"]):
         assert torch.equal(a, b)
-    _check(runs["1"][3], runs["1"][0][-1:], wd)
+    _check(runs["1"][3], runs["1"][0][-1:], wd, mma_scales(p))
 
 
 def test_pdl_chain_in_a_cuda_graph_replays_with_new_inputs(ready, monkeypatch) -> None:
@@ -89,4 +89,4 @@ def test_pdl_chain_in_a_cuda_graph_replays_with_new_inputs(ready, monkeypatch) -
         torch.cuda.synchronize()
         assert torch.equal(y, y0) and torch.equal(z, z0) and torch.equal(r, r0)
         assert torch.equal(out, out0)
-        _check(out, y0[-1:], wd)
+        _check(out, y0[-1:], wd, mma_scales(p))

@@ -18,6 +18,17 @@
 // Launched with programmatic dependent launch (pdl = 1, sm_90; flatserve/ops/pdl.py), a warp
 // issues its first step's weight loads, then waits for the kernel before it (griddepcontrol.wait)
 // and only then reads x.
+//
+// q4_mma_rp2 (the linears of >= 40 x SMs rows: q|k|v, gate|up, the LM head of Llama-3-8B) runs the
+// products on the tensor cores instead (mma.sync m16n8k16, bf16 -> fp32): a warp owns 2 pairs of
+// rows; one mma pair takes 2 rows x 8 blocks: A row m = (row m / 8 of the pair, block m % 8), B
+// column n = x of block n, so C's diagonal holds the 16 block dot products. Lane (g, t) loads
+// code word t of block g; nibbles become bf16 128 + q by one LOP3 (exact), the products are
+// exact, and the 128 + 8 offset comes off after the mma as 136 sum(x over the block), from a
+// table each CTA builds with x in shared memory (in the fragments' order). That subtraction
+// cancels: the sums carry ~1e-4 relative error against the FMA kernel's ~1e-7, still far under
+// the bf16 output's rounding (4e-3). Per call on an H100 (benchmarks/dev/gemv_cuda_probe.py):
+// gate|up 28.7 against 31.7 us, the LM head 108.7 against 124.0, q|k|v 8.8 against 9.5.
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct alignas(16) U4 { u32 x, y, z, w; };
@@ -25,6 +36,11 @@ struct alignas(16) U4 { u32 x, y, z, w; };
 __device__ __forceinline__ U4 ldg128(const void* p) {
   U4 v;
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u32 ldg32(const u32* p) {
+  u32 v;
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 __device__ __forceinline__ u16 ldg16(const u16* p) {
@@ -152,6 +168,127 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
   }
 }
 
+__device__ __forceinline__ void mma_bf16(float& c0, float& c1, float& c2, float& c3, u32 a0, u32 a1,
+                                         u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One step of RP row pairs: code words w (one a row), scales sv, this lane's x fragment xv and
+// its block's 136 sum(x), into acc (the lanes whose C element is on the diagonal keep it).
+template <int RP>
+__device__ __forceinline__ void mma_step(const u32* w, const u16* sv, const U4& xv, float cr, float* acc,
+                                         bool odd) {
+  const u32 M = 0x000F000Fu, B = 0x43004300u;  // bf16 128 + q, nibbles k and k + 4 of a word
+#pragma unroll
+  for (int p = 0; p < RP; ++p) {
+    const u32 w0 = w[2 * p], w1 = w[2 * p + 1];
+    const u32 p0 = (w0 & M) | B, p1 = ((w0 >> 4) & M) | B, p2 = ((w0 >> 8) & M) | B, p3 = ((w0 >> 12) & M) | B;
+    const u32 q0 = (w1 & M) | B, q1 = ((w1 >> 4) & M) | B, q2 = ((w1 >> 8) & M) | B, q3 = ((w1 >> 12) & M) | B;
+    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+    mma_bf16(c0, c1, c2, c3, p0, q0, p1, q1, xv.x, xv.y);  // nibbles (0,4), (1,5)
+    mma_bf16(c0, c1, c2, c3, p2, q2, p3, q3, xv.z, xv.w);  // nibbles (2,6), (3,7)
+    const float v0 = odd ? c1 : c0, v1 = odd ? c3 : c2;
+    acc[2 * p] = fmaf(h2f(sv[2 * p]), v0 - cr, acc[2 * p]);
+    acc[2 * p + 1] = fmaf(h2f(sv[2 * p + 1]), v1 - cr, acc[2 * p + 1]);
+  }
+}
+
+// x staged once per CTA: xs [nb8 blocks][4 lanes t] 8 bf16 in the B fragments' order, then
+// corr [nb8] = 136 sum(x over the block); blocks past nblk are zeros (so they add 0).
+__device__ __forceinline__ void stage_x(const u16* x, int nblk, int nb8, U4* xs, float* corr) {
+  for (int bb = threadIdx.x; bb < nb8; bb += blockDim.x) {
+    U4 v[4] = {};
+    if (bb < nblk) {
+      const U4* src = reinterpret_cast<const U4*>(x + (size_t)bb * 32);
+      v[0] = ldg128(src), v[1] = ldg128(src + 1), v[2] = ldg128(src + 2), v[3] = ldg128(src + 3);
+    }
+    const u32 wv[16] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w,
+                        v[2].x, v[2].y, v[2].z, v[2].w, v[3].x, v[3].y, v[3].z, v[3].w};
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s += bf_lo(wv[i]) + bf_hi(wv[i]);
+#define XV(k) ((wv[(k) >> 1] >> (((k) & 1) * 16)) & 0xffffu)
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {  // x(s, t) = x[4 s + t]; pairs (s, s + 4) for s = 0, 1, 2, 3
+      U4 o;
+      o.x = XV(t) | (XV(16 + t) << 16);
+      o.y = XV(4 + t) | (XV(20 + t) << 16);
+      o.z = XV(8 + t) | (XV(24 + t) << 16);
+      o.w = XV(12 + t) | (XV(28 + t) << 16);
+      xs[bb * 4 + t] = o;
+    }
+#undef XV
+    corr[bb] = 136.f * s;
+  }
+  __syncthreads();
+}
+
+// codes as u32 words [N][nblk][4]; the rest as gemv(). Dynamic shared memory: 68 bytes a block
+// of nb8 = nblk rounded up to 8.
+template <int RP, int U>
+__device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* __restrict__ codes,
+                                         const u16* __restrict__ scales, u16* __restrict__ out, int N,
+                                         int nblk, int pdl) {
+  extern __shared__ U4 xs[];
+  const int nb8 = (nblk + 7) & ~7;
+  float* corr = reinterpret_cast<float*>(xs + nb8 * 4);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const bool odd = g & 1, useful = t == (g >> 1);
+  const int row = (blockIdx.x * (blockDim.x >> 5) + warp) * 2 * RP;
+  const u32* cp[2 * RP];
+  const u16* sp[2 * RP];
+#pragma unroll
+  for (int r = 0; r < 2 * RP; ++r) {  // rows past N read row N - 1
+    const size_t n = (size_t)min(row + r, N - 1);
+    cp[r] = codes + n * nblk * 4 + t;
+    sp[r] = scales + n * nblk;
+  }
+  u32 w[U][2 * RP];
+  u16 sv[U][2 * RP];
+#define MMA_LOAD(kb)                                                                               \
+  _Pragma("unroll") for (int u = 0; u < U; ++u) _Pragma("unroll") for (int r = 0; r < 2 * RP; ++r) { \
+    w[u][r] = ldg32(cp[r] + (size_t)((kb) + 8 * u + g) * 4);                                      \
+    sv[u][r] = ldg16(sp[r] + (kb) + 8 * u + g);                                                   \
+  }
+  if (8 * U <= nblk) MMA_LOAD(0)  // before the PDL wait, as gemv()
+  if (pdl) pdl_sync();
+  stage_x(x, nblk, nb8, xs, corr);
+  if (row >= N) return;  // after the CTA's barrier
+  float acc[2 * RP];
+#pragma unroll
+  for (int r = 0; r < 2 * RP; ++r) acc[r] = 0.f;
+  int kb = 0;
+  for (; kb + 8 * U <= nblk; kb += 8 * U) {
+    if (kb) MMA_LOAD(kb)
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      mma_step<RP>(w[u], sv[u], xs[(kb + 8 * u + g) * 4 + t], corr[kb + 8 * u + g], acc, odd);
+  }
+#undef MMA_LOAD
+  for (; kb < nblk; kb += 8) {  // single steps; a block past nblk reads the row's last block, x 0
+    const int b = min(kb + g, nblk - 1);
+    u32 wt[2 * RP];
+    u16 st[2 * RP];
+#pragma unroll
+    for (int r = 0; r < 2 * RP; ++r) {
+      wt[r] = ldg32(cp[r] + (size_t)b * 4);
+      st[r] = ldg16(sp[r] + b);
+    }
+    mma_step<RP>(wt, st, xs[(kb + g) * 4 + t], corr[kb + g], acc, odd);
+  }
+#pragma unroll
+  for (int r = 0; r < 2 * RP; ++r) {
+    float v = useful ? acc[r] : 0.f;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0 && row + r < N) out[row + r] = f2bf(v);
+  }
+}
+
 // 4 warps a CTA; ptxas may use up to 255 registers (1 CTA an SM at the least): ~100-130 used.
 #define GEMV_KERNEL(R)                                                                               \
   extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R(                               \
@@ -161,3 +298,8 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
   }
 GEMV_KERNEL(2)
 GEMV_KERNEL(4)
+
+extern "C" __global__ void __launch_bounds__(128, 1) q4_mma_rp2(const u16* x, const u32* codes,
+    const u16* scales, u16* out, int N, int nblk, int magic, int pdl) {
+  mma_gemv<2, 4>(x, codes, scales, out, N, nblk, pdl);
+}
