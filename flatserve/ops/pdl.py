@@ -34,8 +34,12 @@ def sync(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-def launch(device: torch.device) -> dict:
-    """The constexpr and launch option of a PDL kernel on `device`: {'PDL': bool[, 'launch_pdl':
-    True]} (the option only where it is on: the Triton interpreter does not take it)."""
-    on = dev.programmatic_launch(device)
+def launch(device: torch.device, rows: int) -> dict:
+    """The constexpr and launch option of a PDL kernel on `device` for a step of `rows` tokens:
+    {'PDL': bool[, 'launch_pdl': True]} (the option only where it is on: the Triton interpreter
+    does not take it). One-token steps only: that is where the GEMV that gains from it runs (b1
+    forward 2.96 -> 2.86-2.89 ms, H100), and a 16-row q4_0 step measured 0.04-0.2 ms slower with
+    it (7.14 / 7.31 against 7.32 / 7.52 ms, a drifting machine; raw
+    docs/benchmarks/raw/gpu_h100_q4_0_pdl/)."""
+    on = rows == 1 and dev.programmatic_launch(device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

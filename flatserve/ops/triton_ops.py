@@ -67,7 +67,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool,
     block = triton.next_power_of_2(H)
     _rms_norm_kernel[(N,)](x, r, w, y, x.stride(0), r.stride(0), y.stride(0), H, eps,
                            HAS_RES=residual is not None, OFFSET=offset, BLOCK=block,
-                           num_warps=4 if block >= 2048 else 2, **pdl.launch(x.device))
+                           num_warps=4 if block >= 2048 else 2, **pdl.launch(x.device, N))
     return y
 
 
@@ -155,7 +155,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         q, k, positions, cos_sin, q_w if norm else q, k_w if norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.shape[1], Hq, eps,
         NORM=norm, OFFSET=offset, HALF=half, HALF_P=triton.next_power_of_2(half), PASS=rest,
-        PASS_P=triton.next_power_of_2(max(rest, 1)), num_warps=1, **pdl.launch(q.device))
+        PASS_P=triton.next_power_of_2(max(rest, 1)), num_warps=1, **pdl.launch(q.device, T))
 
 
 @triton.jit
@@ -195,5 +195,5 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(I))
     _act_mul_kernel[(T, triton.cdiv(I, block))](x, y, x.stride(0), y.stride(0), I,
                                                 GELU=act != "silu", BLOCK=block, num_warps=4,
-                                                **pdl.launch(x.device))
+                                                **pdl.launch(x.device, T))
     return y

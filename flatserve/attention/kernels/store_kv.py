@@ -43,5 +43,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(T, H)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], HEAD=D, HEAD_P=triton.next_power_of_2(D), **pdl.launch(k.device))
+        BLOCK_SIZE=k_cache.shape[1], HEAD=D, HEAD_P=triton.next_power_of_2(D), **pdl.launch(k.device, T))
 

@@ -266,7 +266,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if segments > 1:
         part_acc = torch.empty(T, Hq, segments, hp, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, Hq, segments, 2, dtype=torch.float32, device=q.device)
-    launch = pdl.launch(q.device)
+    launch = pdl.launch(q.device, T)
     _attn_kernel[grid](
         out, part_acc, part_ml, q, k_cache, v_cache, sinks if sinks is not None else q,
         meta.block_table, meta.seq_lens, meta.cu_seqlens_q,

@@ -185,8 +185,10 @@ __device__ __forceinline__ void mma_step(const u32* w, const u16* sv, const U4& 
 #pragma unroll
   for (int p = 0; p < RP; ++p) {
     const u32 w0 = w[2 * p], w1 = w[2 * p + 1];
-    const u32 p0 = (w0 & M) | B, p1 = ((w0 >> 4) & M) | B, p2 = ((w0 >> 8) & M) | B, p3 = ((w0 >> 12) & M) | B;
-    const u32 q0 = (w1 & M) | B, q1 = ((w1 >> 4) & M) | B, q2 = ((w1 >> 8) & M) | B, q3 = ((w1 >> 12) & M) | B;
+    const u32 p0 = (w0 & M) | B, p1 = ((w0 >> 4) & M) | B, p2 = ((w0 >> 8) & M) | B,
+              p3 = ((w0 >> 12) & M) | B;
+    const u32 q0 = (w1 & M) | B, q1 = ((w1 >> 4) & M) | B, q2 = ((w1 >> 8) & M) | B,
+              q3 = ((w1 >> 12) & M) | B;
     float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
     mma_bf16(c0, c1, c2, c3, p0, q0, p1, q1, xv.x, xv.y);  // nibbles (0,4), (1,5)
     mma_bf16(c0, c1, c2, c3, p2, q2, p3, q3, xv.z, xv.w);  // nibbles (2,6), (3,7)
