@@ -168,6 +168,38 @@ def test_cpu_ops_reject_mismatched_shapes(cpu_ops) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,hq,hkv,norm,rot_dim", [
+    (128, 8, 2, True, 128), (64, 4, 4, False, 64), (96, 4, 2, False, 72), (128, 4, 2, True, 96)])
+def test_rope_with_the_kv_write_equals_rope_then_store_kv(impl, dtype, head_dim, hq, hkv, norm,
+                                                          rot_dim) -> None:
+    """The Triton rope op taking store_kv's write (Attention then only attends): the same q and k,
+    and the same cache contents as the rope op followed by store_kv, padded rows (slot -1)
+    storing nothing; partial rotary's pass-through dims stored too."""
+    ops, dev = impl
+    if not getattr(ops, "ROPE_STORES_KV", False):
+        pytest.skip(f"{ops.__name__} leaves the KV write to the attention backend")
+    from flatserve.attention.kernels.store_kv import store_kv
+
+    T, bs, blocks = random.randint(1, 40), 16, 8
+    rot = Rotary(RopeConfig(theta=1e4), rot_dim).to(dev)
+    qkv = torch.randn(T, (hq + 2 * hkv) * head_dim, device=dev, dtype=dtype) * 2
+    q, k, v = (t.view(T, -1, head_dim) for t in qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1))
+    pos = torch.randint(0, 500, (T,), device=dev)
+    slots = torch.randperm(blocks * bs, device=dev)[:T]
+    slots[torch.rand(T, device=dev) < 0.2] = -1  # padded graph rows
+    kc = torch.randn(blocks, bs, hkv, head_dim, device=dev, dtype=dtype)
+    vc = torch.randn_like(kc)
+    w = [torch.randn(head_dim, device=dev, dtype=dtype) * 0.5 + 1 if norm else None for _ in range(2)]
+    table = rot.table(500)
+    q2, k2, kc2, vc2 = q.clone(), k.clone(), kc.clone(), vc.clone()
+    ops.qk_norm_rope(q2, k2, pos, table, *w, 1e-6, False)
+    store_kv(k2, v, kc2, vc2, slots)
+    ops.qk_norm_rope(q, k, pos, table, *w, 1e-6, False, store=(v, kc, vc, slots))
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("inter", [2048, 3072, 14336, 100])
 def test_act_and_mul(impl, dtype, act, inter) -> None:

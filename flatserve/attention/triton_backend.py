@@ -22,3 +22,9 @@ class TritonAttentionBackend:
                 p: LayerAttnParams, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta, p, sinks)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, p: LayerAttnParams, sinks: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """`forward` without the KV write: the fused rope op (triton_ops.qk_norm_rope) made it."""
+        return self._attend(q, k_cache, v_cache, meta, p, sinks)

@@ -318,6 +318,7 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fused: Callable[..., None] | None = None  # q/k norm + rotary in one kernel
+        self.rope_stores_kv = False  # and it takes the KV write (flatserve.ops.enable)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -326,19 +327,24 @@ class Attention(nn.Module):
         k = k.view(T, self.hkv, self.d)  # [T, Hkv, D]
         v = v.view(T, self.hkv, self.d)
         meta = current_metadata()
+        assert self.backend is not None and self.kv_cache is not None, "runner binds the KV pool"
+        # The fused rope writes k and v into the caches too where it can (Triton), and the
+        # backend then only attends.
+        stored = self.fused is not None and self.rope_stores_kv and hasattr(self.backend, "attend")
         if self.fused is not None:  # in place on the q/k views of the qkv output
             n = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, bool(self.q_norm.offset)) \
                 if self.qk_norm else (None, None, 0.0, False)
             self.fused(q, k, self.rotary.index(positions, meta),
-                       self.rotary.table(meta.max_seq_len + 1), *n)
+                       self.rotary.table(meta.max_seq_len + 1), *n,
+                       **({"store": (v, *self.kv_cache, meta.slot_mapping)} if stored else {}))
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.rotary is not None:
                 q, k = self.rotary(self.rotary.index(positions, meta), q, k, meta.max_seq_len)
-        assert self.backend is not None and self.kv_cache is not None, "runner binds the KV pool"
-        if self.sinks is None:
-            o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params)  # [T, Hq, D]
+        extra = () if self.sinks is None else (self.sinks,)
+        if stored:
+            o = self.backend.attend(q, *self.kv_cache, meta, self.params, *extra)  # [T, Hq, D]
         else:
-            o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params, self.sinks)
+            o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params, *extra)
         return self.o_proj(o.reshape(T, self.hq * self.d))

@@ -63,6 +63,7 @@ def enable(model: nn.Module, names: frozenset[str], backend: str) -> None:
             m.fused_pair = getattr(impl, "rms_norm_pair", None)  # the C++ ops have it
         elif isinstance(m, Attention) and "rope" in names:
             m.fused = _rope_op(m, impl)
+            m.rope_stores_kv = m.fused is not None and getattr(impl, "ROPE_STORES_KV", False)
         elif isinstance(m, GatedMLP) and "act" in names and m.act_name in impl.ACTS:
             m.gated = impl.fuse_gate_up(m)  # the activation in the gate_up GEMM where it can be
             m.fused = None if m.gated else impl.act_and_mul
