@@ -142,7 +142,7 @@ def supports_cuda_graphs(device: torch.device) -> bool:
 def programmatic_launch(device: torch.device) -> bool:
     """Whether the CUDA decode kernels launch with programmatic dependent launch (PDL): each
     starts while the one before it finishes, waits (griddepcontrol.wait) before reading what
-    that one wrote, and a GEMV streams its weights in meanwhile (flatserve/ops/pdl.py). Hopper
+    that one wrote, and a GEMV loads its first weights meanwhile (flatserve/ops/pdl.py). Hopper
     (sm_90) or later, a Triton that launches it, and FLATSERVE_PDL not "0" (the A/B)."""
     if device.type != "cuda" or os.environ.get("FLATSERVE_PDL", "1") == "0":
         return False

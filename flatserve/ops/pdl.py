@@ -6,7 +6,7 @@ docs/performance-gpu.md), and each GEMV after one of them starts streaming its w
 it launches. With PDL (sm_90) a kernel launched with `launch_pdl` may start before the one before
 it has finished: its programs wait (`gdc_wait`) before touching anything an earlier kernel wrote,
 then let the next kernel launch (`gdc_launch_dependents`). The CUDA C++ GEMV
-(ops/csrc/q4_gemv_cuda.cu) prefetches its weights into L2 before its wait.
+(ops/csrc/q4_gemv_cuda.cu) issues its first step's weight loads before its wait.
 
 The rule that keeps this safe: every PDL kernel waits, in every program, before its first write
 and before reading any tensor an earlier kernel may write (so a kernel never finishes before the
