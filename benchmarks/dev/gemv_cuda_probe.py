@@ -162,28 +162,7 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ x, const u32* _
   __shared__ int flag;
   const int per = nblk / gridDim.y, kb0 = blockIdx.y * per;
   float* corr = reinterpret_cast<float*>(xs + per * 4);
-  for (int bb = threadIdx.x; bb < per; bb += blockDim.x) {
-    const U4* src = reinterpret_cast<const U4*>(x + (size_t)(kb0 + bb) * 32);
-    const U4 v0 = ldg128(src), v1 = ldg128(src + 1), v2 = ldg128(src + 2), v3 = ldg128(src + 3);
-    const u32 wv[16] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w,
-                        v2.x, v2.y, v2.z, v2.w, v3.x, v3.y, v3.z, v3.w};
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s += bf_lo(wv[i]) + bf_hi(wv[i]);
-#define XV(k) ((wv[(k) >> 1] >> (((k) & 1) * 16)) & 0xffffu)
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {  // x(s, t) = x[4 s + t]; pairs (s, s + 4) for s = 0, 1, 2, 3
-      U4 o;
-      o.x = XV(t) | (XV(16 + t) << 16);
-      o.y = XV(4 + t) | (XV(20 + t) << 16);
-      o.z = XV(8 + t) | (XV(24 + t) << 16);
-      o.w = XV(12 + t) | (XV(28 + t) << 16);
-      xs[bb * 4 + t] = o;
-    }
-#undef XV
-    corr[bb] = 136.f * s;
-  }
-  __syncthreads();
+  stage_x(x + (size_t)kb0 * 32, per, per, xs, corr);  // the shipped staging (and its barrier)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const bool odd = g & 1, useful = t == (g >> 1);
