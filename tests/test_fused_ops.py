@@ -50,6 +50,17 @@ def impl(request, monkeypatch):
     return _cpu_ops_at(request.param.removeprefix("cpu-"), monkeypatch), "cpu"
 
 
+@pytest.fixture
+def triton_ops_dev():
+    """-> (triton_ops, its device), for what only the Triton ops do."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA (or TRITON_INTERPRET=1)")
+    from flatserve.ops import triton_ops
+
+    return triton_ops, "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
+        else "cpu"
+
+
 @pytest.fixture(params=CPU_LEVELS)
 def cpu_ops(request, monkeypatch):  # noqa: ANN201 - the C++ ops module at one ISA level
     return _cpu_ops_at(request.param, monkeypatch)
@@ -170,14 +181,13 @@ def test_cpu_ops_reject_mismatched_shapes(cpu_ops) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,hq,hkv,norm,rot_dim", [
     (128, 8, 2, True, 128), (64, 4, 4, False, 64), (96, 4, 2, False, 72), (128, 4, 2, True, 96)])
-def test_rope_with_the_kv_write_equals_rope_then_store_kv(impl, dtype, head_dim, hq, hkv, norm,
-                                                          rot_dim) -> None:
+def test_rope_with_the_kv_write_equals_rope_then_store_kv(triton_ops_dev, dtype, head_dim, hq, hkv,
+                                                          norm, rot_dim) -> None:
     """The Triton rope op taking store_kv's write (Attention then only attends): the same q and k,
     and the same cache contents as the rope op followed by store_kv, padded rows (slot -1)
     storing nothing; partial rotary's pass-through dims stored too."""
-    ops, dev = impl
-    if not getattr(ops, "ROPE_STORES_KV", False):
-        pytest.skip(f"{ops.__name__} leaves the KV write to the attention backend")
+    ops, dev = triton_ops_dev
+    assert ops.ROPE_STORES_KV  # Attention relies on it (flatserve.ops.enable)
     from flatserve.attention.kernels.store_kv import store_kv
 
     T, bs, blocks = random.randint(1, 40), 16, 8
