@@ -176,6 +176,12 @@ def amx_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return _at_level(request.param, monkeypatch)
 
 
+@pytest.fixture(params=["avx512"])
+def avx512_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The avx512 level, for the paths it keeps off by default (the quantized GEMM's rows16)."""
+    return _at_level(request.param, monkeypatch)
+
+
 def require_kernel(kernel: Any) -> Any:
     """The kernel's module at this test's level; a failed build is a failure, not a skip (the
     CPU runs the level, so the build must work: scripts/setup.sh built it)."""

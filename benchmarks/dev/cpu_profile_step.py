@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None, help="cpu | cpu-sdpa | torch")
     ap.add_argument("--ngram", type=int, default=0, help="n-gram drafts per step (0: none)")
     ap.add_argument("--cpu-gemm", default="auto", help="amx | onednn | torch")
+    ap.add_argument("--no-greedy-head", action="store_true", help="greedy rows read the LM head itself")
     ap.add_argument("--eager", action="store_true",
                     help="enforce_eager: decode steps run the Python layers (each kernel timed)")
     ap.add_argument("--generate", action="store_true",
@@ -51,7 +52,8 @@ def main() -> None:
     spec = dict(speculative_method="ngram", num_speculative_tokens=a.ngram) if a.ngram else {}
     llm = LLM(dtype="bfloat16", max_num_seqs=a.n, max_model_len=4096, kv_cache_memory=512 * 2**20,
               quantization=a.quantization, attention_backend=a.attention_backend,
-              cpu_gemm=a.cpu_gemm, enforce_eager=a.eager, dequantize=a.dequantize, **spec)
+              cpu_gemm=a.cpu_gemm, enforce_eager=a.eager, dequantize=a.dequantize, **spec,
+              **({"greedy_int8_head": False} if a.no_greedy_head else {}))
     eng = llm.engine
     rng = random.Random(0)
     for _ in range(a.n):

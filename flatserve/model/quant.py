@@ -16,6 +16,7 @@ dequantizes the rows it looks up.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,21 @@ ACT_ORDER = tuple(range(8)) + tuple(range(16, 24)) + tuple(range(8, 16)) + tuple
 QUANTIZATIONS = ("int8", "q8_0", "q4_0")  # --quantization for float checkpoints
 
 
+# Without AMX (the avx512 level: AMD Zen 4) the formats whose calls take rows16 (VNNI byte dots,
+# csrc/quant_rows.h); the others take the AVX2 kernels. None: on a real Zen 4 the AVX2 kernels
+# ran decode steps 1.1-1.8x faster (ops/csrc/quant_gemm_cpu.cpp, g_rows16_mask, has the figures).
+# FLATSERVE_QUANT_ROWS16 ("all", "none" or format names) overrides, for A/Bs.
+ROWS16_FORMATS = os.environ.get("FLATSERVE_QUANT_ROWS16", "none")
+_rows16_set: set[int] = set()
+
+
 def kernel() -> object | None:
-    return _ext()
+    ext = _ext()
+    if ext is not None and id(ext) not in _rows16_set:
+        names = {"all": FORMATS, "none": ()}.get(ROWS16_FORMATS, ROWS16_FORMATS.split(","))
+        ext.set_rows16_formats(sum(1 << min(FORMATS[n].ggml_type, 62) for n in names))  # q4_g: 100
+        _rows16_set.add(id(ext))
+    return ext
 
 
 class QuantLinear(nn.Module):

@@ -250,6 +250,33 @@ def _path(lin, x: torch.Tensor, path: int) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
+def test_avx512_rows16_matches_the_vector_path_within_its_bound(name, avx512_isa) -> None:
+    """At the avx512 level every call takes the AVX2 kernels by default (quant.ROWS16_FORMATS);
+    rows16 (csrc/quant_rows.h), forced, stays within the vector path's bound of the float64
+    product of the same int16 codes, at 1-4 rows (a partial group) and 16-17, N not a multiple
+    of 16; and the format mask routes AUTO calls to it."""
+    rng = random.Random()
+    k, n = rng.choice([256, 512, 1024]), rng.choice([17, 40])
+    lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
+    ext = quant.kernel()
+    for rows in (1, 3, 4, 16, 17):
+        x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
+        got = _path(lin, x, 1).double()
+        xa = _act_dequant(x).double()
+        ref = xa @ w.double().t()
+        err = (got - ref).abs()
+        bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
+        assert ((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all(), (name, rows)
+        try:
+            ext.set_rows16_formats(1 << min(FORMATS[name].ggml_type, 62))
+            assert torch.equal(_path(lin, x, 0), _path(lin, x, 1))
+        finally:
+            quant._rows16_set.clear()  # the next kernel() call sets the default mask again
+            quant.kernel()
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(FORMATS))
 def test_amx_paths_match_the_codes_product_and_each_others_bits(name, amx_isa) -> None:
     """The amx level's two paths for every format, the AMX-INT8 tiles (csrc/quant_amx.h) and
     rows16 (csrc/quant_rows.h, weight rows in AVX-512 lanes): within the vector path's bound of

@@ -267,6 +267,16 @@ void rows16_any(int fmt, const Acts& a, int64_t M, const uint8_t* w, int64_t N, 
 // gemm's `path`: AUTO picks by row count; ROWS and TILES force one (tests, benchmarks/dev).
 enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 
+// Without AMX (the avx512 level: AMD Zen 4), the formats (a bit per GGML type) whose calls take
+// rows16 at any row count; the others take the AVX2 paths below. flatserve/model/quant.py sets
+// it (set_rows16_formats; none by default: on a real 2-core Zen 4, 32 GB/s, the AVX2 paths ran
+// a one-request decode step in 16.8-17.5 ms against rows16's 31-34, 16 requests 90-97 against
+// 102-107; rows16 read the 171 MB Q8_0 LM head at 1 row in 17.4 ms against 6.3, and q4_k layers
+// in half the time, but not enough to pay: benchmarks/dev/cpu_profile_step.py N --by-kernel,
+// cpu_quant_row1.py, 2026-11-27). All of them until it is called. Bit min(type, 62): Q4_G's
+// type is 100.
+int64_t g_rows16_mask = -1;
+
 // At the amx level every format takes the AMX tiles (csrc/quant_amx.h) above tile_rows rows and
 // rows16 at or below, the same bits either way. The tiles do 16 weight rows x 16 activation rows
 // per instruction pair but cost a fixed unpack, transpose and 16-row scaling per weight group.
@@ -274,8 +284,8 @@ enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 // 2026-11-27): at 1 row rows16 0.42-0.61x, the tiles 2.0-2.3x; at 6 rows q4_k 640 x 2048 rows16
 // 0.66x, tiles 0.81x, q5_0 4096 x 640 0.48x / 0.64x, but the Q8_0 head 0.74x / 0.63x; from 8
 // rows the tiles lead (16 rows: 0.46-0.58x against rows16's 0.69-1.03x). Without tiles (the
-// avx512 level: AMD Zen 4) rows16 takes every row count: 0.42-0.86x the vector path's time at
-// 1-4 rows, 0.69-1.03x at 16.
+// avx512 level) the same Xeon forced down put rows16 at 0.42-0.86x the vector path's time at
+// 1-4 rows, 0.69-1.03x at 16; a real Zen 4 did not (g_rows16_mask).
 inline int64_t tile_rows(int fmt) { return fmt == Q8_0 ? 4 : 6; }
 
 template <typename T>
@@ -295,7 +305,8 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
   }
 #endif
 #if defined(__AVX512VNNI__)
-  return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
+  if (path == ROWS || ((g_rows16_mask >> std::min(fmt, 62)) & 1) || !QG_AVX2)
+    return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
 #endif
 #if QG_AVX2
   if (M <= 4) {
@@ -543,6 +554,8 @@ std::tuple<at::Tensor, double> greedy_q4_copy(const at::Tensor& w8, int64_t K) {
   return {copy, *std::max_element(wmax.begin(), wmax.end())};
 }
 
+void set_rows16_formats(int64_t mask) { g_rows16_mask = mask; }
+
 std::string isa() {
 #ifdef FLATSERVE_AMX
   if (flatserve::amx_available()) return "amx";
@@ -565,6 +578,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row_argmax(x @ W^T) on a Q8_0 head, candidates from its 4-bit copy -> (tokens, candidates per token)");
   m.def("greedy_q4_copy", &greedy_q4_copy, "Q8_0 rows -> the greedy head's 4-bit copy, wmax");
   m.def("isa", &isa, "the vector path compiled in");
+  m.def("set_rows16_formats", &set_rows16_formats,
+        "without AMX: the GGML types (a bit each) whose calls take rows16 (csrc/quant_rows.h)");
 }
 
 // For the C++ decoder stack, which calls it through torch's dispatcher (the op namespace is
