@@ -6,11 +6,11 @@ conversions), quant_planar.qgemm keeps the Triton FMA GEMV, after one notice. Th
 in the kernel cache, so only a first start (or a changed source) compiles.
 
 Why: on an H100 the Triton kernel with the same arithmetic was 1.4-1.6x slower per linear
-(docs/performance-gpu.md, "Quantized weights (4-bit) on the GPU"). The launch is a plain
-cuLaunchKernel on torch's current stream, so CUDA graphs capture it like any kernel; `prepare`
-builds and loads the module at weight load time, outside any capture. On sm_90 it is launched
-with programmatic dependent launch (cuLaunchKernelEx; flatserve/ops/pdl.py): it issues its first
-weight loads before it waits for the kernel before it.
+(docs/performance-gpu.md, "Quantized weights (4-bit) on the GPU"). The launch is a
+cuLaunchKernelEx on torch's current stream, so CUDA graphs capture it like any kernel; `prepare`
+builds and loads the module at weight load time, outside any capture. On sm_90 the launch
+carries the programmatic-dependent-launch attribute (flatserve/ops/pdl.py): the kernel issues its
+first weight loads before it waits for the kernel before it.
 """
 from __future__ import annotations
 
@@ -200,9 +200,8 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
             or x.data_ptr() % 16 or codes.data_ptr() % 16:
         return False
     r = rows_per_warp(n, x.device)
-    smem = 68 * (-(-nblk // 8) * 8) if r == 4 and MMA else 0  # the x table of q4_mma_rp2
-    kernel = funcs["mma" if 0 < smem <= _MMA_SMEM_MAX else r]
-    smem = smem if smem <= _MMA_SMEM_MAX else 0
+    smem = 68 * (-(-nblk // 8) * 8)  # q4_mma_rp2's x table
+    kernel, smem = (funcs["mma"], smem) if r == 4 and MMA and smem <= _MMA_SMEM_MAX else (funcs[r], 0)
     pdl = programmatic_launch(x.device)
     args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(codes.data_ptr()),
             ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
@@ -210,13 +209,9 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     grid = -(-n // (4 * r))  # 4 warps a CTA, r rows a warp (the mma kernel: 2 pairs, as r = 4)
-    if not pdl:
-        _API.check(_API.cuda.cuLaunchKernel(kernel, grid, 1, 1, 128, 1, 1, smem, ctypes.c_void_p(stream),
-                                            params, None), "cuLaunchKernel q4_gemv")
-        return True
-    attr = _LaunchAttr(id=_PDL_ATTR, value=1)
+    attr = _LaunchAttr(id=_PDL_ATTR, value=1)  # passed only with PDL
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(128, 1, 1),
-                        smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=1)
+                        smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=int(pdl))
     _API.check(_API.cuda.cuLaunchKernelEx(ctypes.byref(cfg), kernel, params, None),
                "cuLaunchKernelEx q4_gemv")
     return True

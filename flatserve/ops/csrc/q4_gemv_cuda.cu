@@ -82,18 +82,32 @@ __device__ __forceinline__ void step(const U4& xv, const U4* cv, const u16* sv, 
   }
 }
 
-// U steps of R rows' code words and scales, from block kb on.
-template <int R, int U>
-__device__ __forceinline__ void load_weights(const U4* const* cp, const u16* const* sp, int kb,
-                                             U4 (&cv)[U][R], u16 (&sv)[U][R]) {
+__device__ __forceinline__ U4 ldg(const U4* p) { return ldg128(p); }
+__device__ __forceinline__ u32 ldg(const u32* p) { return ldg32(p); }
+
+// U steps of R rows' codes and scales, from block kb on: cp[r] / sp[r] point at this lane's part
+// of the row's first block, S elements of T a block (a U4 of 4 code words: gemv; one u32 word
+// of 4: the mma kernel).
+template <int R, int U, int S, typename T>
+__device__ __forceinline__ void load_weights(const T* const* cp, const u16* const* sp, int kb,
+                                             T (&cv)[U][R], u16 (&sv)[U][R]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      cv[u][r] = ldg128(cp[r] + kb + 8 * u);
+      cv[u][r] = ldg(cp[r] + (size_t)(kb + 8 * u) * S);
       sv[u][r] = ldg16(sp[r] + kb + 8 * u);
     }
   }
+}
+
+// Each of n sums over the warp's 32 lanes (a shuffle tree; every lane ends with the totals).
+template <int n>
+__device__ __forceinline__ void warp_sums(float* v) {
+#pragma unroll
+  for (int r = 0; r < n; ++r)
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
 }
 
 // The PDL handshake (a no-op below sm_90, where pdl is 0): wait for the previous kernel's
@@ -130,7 +144,7 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
   // q4_0 forward slower on an H100: 3.25 against 3.08-3.15 ms without PDL.)
   U4 cv[U][R];
   u16 sv[U][R];
-  if (8 * U <= nblk) load_weights<R, U>(cp, sp, 0, cv, sv);
+  if (8 * U <= nblk) load_weights<R, U, 1>(cp, sp, 0, cv, sv);
   if (pdl) pdl_sync();  // every warp, the ones past N too: nothing below runs before the last kernel ends
   if (row0 >= N) return;  // a whole warp past the end: no CTA-wide barrier below
   const u16* xp = x + j * 32 + c * 8;
@@ -142,7 +156,7 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
     U4 xv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) xv[u] = ldg128(xp + (size_t)(kb + 8 * u) * 32);
-    if (kb) load_weights<R, U>(cp, sp, kb, cv, sv);
+    if (kb) load_weights<R, U, 1>(cp, sp, kb, cv, sv);
 #pragma unroll
     for (int u = 0; u < U; ++u) step<R>(xv[u], cv[u], sv[u], acc, sh, m0, m1);
   }
@@ -159,13 +173,10 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
     }
     step<R>(xv, cv, sv, acc, sh, m0, m1);
   }
+  warp_sums<R>(acc);
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float v = acc[r];
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0 && row0 + r < N) out[row0 + r] = f2bf(v);
-  }
+  for (int r = 0; r < R; ++r)
+    if (lane == 0 && row0 + r < N) out[row0 + r] = f2bf(acc[r]);
 }
 
 __device__ __forceinline__ void mma_bf16(float& c0, float& c1, float& c2, float& c3, u32 a0, u32 a1,
@@ -244,19 +255,14 @@ __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* _
   const u32* cp[2 * RP];
   const u16* sp[2 * RP];
 #pragma unroll
-  for (int r = 0; r < 2 * RP; ++r) {  // rows past N read row N - 1
+  for (int r = 0; r < 2 * RP; ++r) {  // rows past N read row N - 1; this lane: word t of block g
     const size_t n = (size_t)min(row + r, N - 1);
-    cp[r] = codes + n * nblk * 4 + t;
-    sp[r] = scales + n * nblk;
+    cp[r] = codes + (n * nblk + g) * 4 + t;
+    sp[r] = scales + n * nblk + g;
   }
   u32 w[U][2 * RP];
   u16 sv[U][2 * RP];
-#define MMA_LOAD(kb)                                                                               \
-  _Pragma("unroll") for (int u = 0; u < U; ++u) _Pragma("unroll") for (int r = 0; r < 2 * RP; ++r) { \
-    w[u][r] = ldg32(cp[r] + (size_t)((kb) + 8 * u + g) * 4);                                      \
-    sv[u][r] = ldg16(sp[r] + (kb) + 8 * u + g);                                                   \
-  }
-  if (8 * U <= nblk) MMA_LOAD(0)  // before the PDL wait, as gemv()
+  if (8 * U <= nblk) load_weights<2 * RP, U, 4>(cp, sp, 0, w, sv);  // before the PDL wait, as gemv()
   if (pdl) pdl_sync();
   stage_x(x, nblk, nb8, xs, corr);
   if (row >= N) return;  // after the CTA's barrier
@@ -265,30 +271,28 @@ __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* _
   for (int r = 0; r < 2 * RP; ++r) acc[r] = 0.f;
   int kb = 0;
   for (; kb + 8 * U <= nblk; kb += 8 * U) {
-    if (kb) MMA_LOAD(kb)
+    if (kb) load_weights<2 * RP, U, 4>(cp, sp, kb, w, sv);
 #pragma unroll
     for (int u = 0; u < U; ++u)
       mma_step<RP>(w[u], sv[u], xs[(kb + 8 * u + g) * 4 + t], corr[kb + 8 * u + g], acc, odd);
   }
-#undef MMA_LOAD
   for (; kb < nblk; kb += 8) {  // single steps; a block past nblk reads the row's last block, x 0
-    const int b = min(kb + g, nblk - 1);
+    const int b = min(kb + g, nblk - 1) - g;  // from this lane's block g
     u32 wt[2 * RP];
     u16 st[2 * RP];
 #pragma unroll
     for (int r = 0; r < 2 * RP; ++r) {
-      wt[r] = ldg32(cp[r] + (size_t)b * 4);
+      wt[r] = ldg32(cp[r] + (long long)b * 4);
       st[r] = ldg16(sp[r] + b);
     }
     mma_step<RP>(wt, st, xs[(kb + g) * 4 + t], corr[kb + g], acc, odd);
   }
 #pragma unroll
-  for (int r = 0; r < 2 * RP; ++r) {
-    float v = useful ? acc[r] : 0.f;
+  for (int r = 0; r < 2 * RP; ++r) acc[r] = useful ? acc[r] : 0.f;  // off-diagonal lanes: 0
+  warp_sums<2 * RP>(acc);
 #pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0 && row + r < N) out[row + r] = f2bf(v);
-  }
+  for (int r = 0; r < 2 * RP; ++r)
+    if (lane == 0 && row + r < N) out[row + r] = f2bf(acc[r]);
 }
 
 // 4 warps a CTA; ptxas may use up to 255 registers (1 CTA an SM at the least): ~100-130 used.
