@@ -56,10 +56,12 @@ QUANTIZATIONS = ("int8", "q8_0", "q4_0")  # --quantization for float checkpoints
 
 
 # Without AMX (the avx512 level: AMD Zen 4) the formats whose calls take rows16 (VNNI byte dots,
-# csrc/quant_rows.h); the others take the AVX2 kernels. None: on a real Zen 4 the AVX2 kernels
-# ran decode steps 1.1-1.8x faster (ops/csrc/quant_gemm_cpu.cpp, g_rows16_mask, has the figures).
-# FLATSERVE_QUANT_ROWS16 ("all", "none" or format names) overrides, for A/Bs.
-ROWS16_FORMATS = os.environ.get("FLATSERVE_QUANT_ROWS16", "none")
+# csrc/quant_rows.h); the others take the AVX2 kernels. q4_k only: on a real Zen 4 rows16 ran
+# q4_k 1.3-1.5x faster at one row and 1.04-1.13x at 16, and q5_k, q6_k, q5_0, q8_0 0.67-1.06x
+# (benchmarks/dev/cpu_rows16_ab.py; every format on rows16 made decode steps 1.1-1.8x slower:
+# ops/csrc/quant_gemm_cpu.cpp, g_rows16_mask). FLATSERVE_QUANT_ROWS16 ("all", "none" or format
+# names) overrides, for A/Bs.
+ROWS16_FORMATS = os.environ.get("FLATSERVE_QUANT_ROWS16", "q4_k")
 _rows16_set: set[int] = set()
 
 

@@ -269,12 +269,12 @@ enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 
 // Without AMX (the avx512 level: AMD Zen 4), the formats (a bit per GGML type) whose calls take
 // rows16 at any row count; the others take the AVX2 paths below. flatserve/model/quant.py sets
-// it (set_rows16_formats; none by default: on a real 2-core Zen 4, 32 GB/s, the AVX2 paths ran
-// a one-request decode step in 16.8-17.5 ms against rows16's 31-34, 16 requests 90-97 against
-// 102-107; rows16 read the 171 MB Q8_0 LM head at 1 row in 17.4 ms against 6.3, and q4_k layers
-// in half the time, but not enough to pay: benchmarks/dev/cpu_profile_step.py N --by-kernel,
-// cpu_quant_row1.py, 2026-11-27). All of them until it is called. Bit min(type, 62): Q4_G's
-// type is 100.
+// it (set_rows16_formats; q4_k only by default: on a real 2-core Zen 4, 32 GB/s, every format on
+// the AVX2 paths ran a one-request decode step in 16.8-17.5 ms against rows16's 31-34, 16
+// requests 90-97 against 102-107; rows16 read the 171 MB Q8_0 LM head at 1 row in 17.4 ms
+// against 6.3, but q4_k 1.3-1.5x faster: benchmarks/dev/cpu_profile_step.py N --by-kernel,
+// cpu_quant_row1.py, cpu_rows16_ab.py, 2026-11-27). All of them until it is called. Bit
+// min(type, 62): Q4_G's type is 100.
 int64_t g_rows16_mask = -1;
 
 // At the amx level every format takes the AMX tiles (csrc/quant_amx.h) above tile_rows rows and
