@@ -69,6 +69,9 @@ def kernel() -> object | None:
     ext = _ext()
     if ext is not None and id(ext) not in _rows16_set:
         names = {"all": FORMATS, "none": ()}.get(ROWS16_FORMATS, ROWS16_FORMATS.split(","))
+        if set(names) - set(FORMATS):
+            raise ValueError(f"FLATSERVE_QUANT_ROWS16={ROWS16_FORMATS!r}: not all, none or format names "
+                             f"from {', '.join(FORMATS)}")
         ext.set_rows16_formats(sum(1 << min(FORMATS[n].ggml_type, 62) for n in names))  # q4_g: 100
         _rows16_set.add(id(ext))
     return ext
