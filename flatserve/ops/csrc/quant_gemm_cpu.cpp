@@ -276,6 +276,9 @@ enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 // cpu_quant_row1.py, cpu_rows16_ab.py, 2026-11-27). All of them until it is called. Bit
 // min(type, 62): Q4_G's type is 100.
 int64_t g_rows16_mask = -1;
+// Activation rows a pass of the AVX2 kernels at 5+ rows where 32 vector registers allow 8 (the
+// avx512 build): 8, or 4 (set_pass_rows: the A/B of benchmarks/dev/cpu_quant_row1.py --rows).
+int64_t g_pass_rows = 8;
 
 // At the amx level every format takes the AMX tiles (csrc/quant_amx.h) above tile_rows rows and
 // rows16 at or below, the same bits either way. The tiles do 16 weight rows x 16 activation rows
@@ -334,8 +337,18 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
         else
           unpack_row(w + (n0 + r) * row_bytes, L, fmt, K, rows[r]);
       }
-      float res[4];
+      float res[8];
       int64_t m0 = 0;
+#if defined(__AVX512VL__)
+      // 32 vector registers: g_pass_rows (8) activation rows a pass over each weight row, so a
+      // block's unpack and scales serve twice the rows (each row's sums in the same order: the
+      // same bits). Measured in docs/performance-cpu.md ("AVX-512 (AMD EPYC, Zen 4)").
+      for (; g_pass_rows == 8 && m0 + 8 <= M; m0 += 8)
+        for (int64_t r = 0; r < nn; ++r) {
+          dot_rows<8>(rows[r], a, m0, L.mins, res);
+          for (int t = 0; t < 8; ++t) store(out + (m0 + t) * ldo + n0 + r, res[t]);
+        }
+#endif
       for (; m0 + 4 <= M; m0 += 4)
         for (int64_t r = 0; r < nn; ++r) {
           dot_rows<4>(rows[r], a, m0, L.mins, res);
@@ -555,6 +568,7 @@ std::tuple<at::Tensor, double> greedy_q4_copy(const at::Tensor& w8, int64_t K) {
 }
 
 void set_rows16_formats(int64_t mask) { g_rows16_mask = mask; }
+void set_pass_rows(int64_t rows) { g_pass_rows = rows; }
 
 std::string isa() {
 #ifdef FLATSERVE_AMX
@@ -580,6 +594,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the vector path compiled in");
   m.def("set_rows16_formats", &set_rows16_formats,
         "without AMX: the GGML types (a bit each) whose calls take rows16 (csrc/quant_rows.h)");
+  m.def("set_pass_rows", &set_pass_rows, "activation rows a pass of the AVX2 kernels at 5+ rows: 8 or 4");
 }
 
 // For the C++ decoder stack, which calls it through torch's dispatcher (the op namespace is
