@@ -276,9 +276,16 @@ enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 // cpu_quant_row1.py, cpu_rows16_ab.py, 2026-11-27). All of them until it is called. Bit
 // min(type, 62): Q4_G's type is 100.
 int64_t g_rows16_mask = -1;
-// Activation rows a pass of the AVX2 kernels at 5+ rows where 32 vector registers allow 8 (the
-// avx512 build): 8, or 4 (set_pass_rows: the A/B of benchmarks/dev/cpu_quant_row1.py --rows).
+// Activation rows a pass of the AVX2 kernels at 5+ rows: 8 or 4 (set_pass_rows: the A/B of
+// benchmarks/dev/cpu_quant_row1.py --rows 16 --pass-rows 4,8). On a Zen 4 at 16 rows, 8 took the
+// avx512 build's Q8_0 LM head 0.88-0.91x the time, q5_0 0.81-0.91x, q6_k 1.02-1.08x; in the AVX2
+// build (forced; 16 vector registers) the head 0.94-1.0x, q5_0 0.92-0.97x, q6_k 1.06-1.09x: no
+// clear gain there, and no AVX2-only CPU to check it on, so 4.
+#if defined(__AVX512VL__)
 int64_t g_pass_rows = 8;
+#else
+int64_t g_pass_rows = 4;
+#endif
 
 // At the amx level every format takes the AMX tiles (csrc/quant_amx.h) above tile_rows rows and
 // rows16 at or below, the same bits either way. The tiles do 16 weight rows x 16 activation rows
@@ -339,16 +346,14 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
       }
       float res[8];
       int64_t m0 = 0;
-#if defined(__AVX512VL__)
-      // 32 vector registers: g_pass_rows (8) activation rows a pass over each weight row, so a
-      // block's unpack and scales serve twice the rows (each row's sums in the same order: the
-      // same bits). Measured in docs/performance-cpu.md ("AVX-512 (AMD EPYC, Zen 4)").
+      // g_pass_rows = 8: 8 activation rows a pass over each weight row, so a block's unpack and
+      // scales serve twice the rows (each row's sums in the same order: the same bits). Measured
+      // in docs/performance-cpu.md ("AVX-512 (AMD EPYC, Zen 4)").
       for (; g_pass_rows == 8 && m0 + 8 <= M; m0 += 8)
         for (int64_t r = 0; r < nn; ++r) {
           dot_rows<8>(rows[r], a, m0, L.mins, res);
           for (int t = 0; t < 8; ++t) store(out + (m0 + t) * ldo + n0 + r, res[t]);
         }
-#endif
       for (; m0 + 4 <= M; m0 += 4)
         for (int64_t r = 0; r < nn; ++r) {
           dot_rows<4>(rows[r], a, m0, L.mins, res);
