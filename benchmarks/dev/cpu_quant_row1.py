@@ -34,8 +34,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default=None, help="comma-separated shape names")
     ap.add_argument("--rows", type=int, default=1, help="activation rows a call")
-    ap.add_argument("--pass-rows", default=None, help="A/B: 4,8 alternates the avx512 build's "
-                    "activation rows a pass (set_pass_rows) per round")
+    ap.add_argument("--pass-rows", default=None, help="A/B: 4,8 alternates the kernel's "
+                    "activation rows a pass (set_pass_rows) per round; the process ends after")
     args = ap.parse_args()
     if args.level:
         os.environ["FLATSERVE_CPU_ISA"] = args.level
@@ -68,8 +68,6 @@ def main() -> None:
                   f"{warm * 1e6:8.1f} us ({nbytes / warm / 1e9:5.1f} GB/s, "
                   f"{warm * 1e9 / blocks * torch.get_num_threads():4.1f} ns/row-block/thread)  cold "
                   f"{cold * 1e6:8.1f} us ({nbytes / cold / 1e9:5.1f} GB/s)")
-    if args.pass_rows:
-        ext.set_pass_rows(8)
 
 
 if __name__ == "__main__":
