@@ -516,15 +516,21 @@ std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& 
   greedy_q4::XPack xp;
   greedy_q4::pack_x(ac.q, ac.d, M, K, wmax, xp);
   const uint8_t* w8p = w8.data_ptr<uint8_t>();
+#if defined(__AVX512BW__)  // gemm's Q8_0 path: rows16 (or the tiles, the same bits), or the AVX2 one
+  bool q8_rows16 = (g_rows16_mask >> Q8_0) & 1;
+#ifdef FLATSERVE_AMX
+  q8_rows16 = q8_rows16 || flatserve::amx_available();
+#endif
+#endif
   auto exact = [&](int64_t n, int64_t t) {  // the head's fp32 logit: its own dot, its bits
     Unpacked u{nullptr, nullptr, nullptr, w8p + n * w8.size(1)};
-#if defined(__AVX512BW__)  // gemm's Q8_0 path is rows16 (or the tiles): their order, their bits
-    return flatserve::qblocks::exact(u, false, false, ac.q + t * K, ac.d + t * nb, ac.s + t * nb, nb);
-#else
+#if defined(__AVX512BW__)
+    if (q8_rows16)
+      return flatserve::qblocks::exact(u, false, false, ac.q + t * K, ac.d + t * nb, ac.s + t * nb, nb);
+#endif
     float r;
     dot_rows<1>(u, ac, t, false, &r);
     return r;
-#endif
   };
   const auto dtype = x.scalar_type();
   auto stored = [dtype](float y) {  // the logit as gemm stores it in x's dtype (store())
