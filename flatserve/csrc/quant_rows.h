@@ -1,11 +1,12 @@
 // Decode-sized calls of the quantized GEMM (ops/csrc/quant_gemm_cpu.cpp), each weight row's
 // stored blocks read straight into registers, no unpack buffer:
 //
-// - the AVX2 vector path (1-4 activation rows, the avx2 level), one row at a time: DirectRow;
-// - at the amx and avx512 levels, `rows16` (rows16_b32, rows16_k below): 16 weight rows at a time
-//   in AVX-512 lanes by VNNI byte dots, computing the AMX tiles' bits (csrc/quant_amx.h) for any
-//   format, so a call takes the tiles or this path by row count alone and a row's result never
-//   depends on its call.
+// - the AVX2 vector path (1-4 activation rows; the avx2 level, and the avx512 level's formats
+//   below), one row at a time: DirectRow;
+// - at the amx level, and at the avx512 level for the formats quant.ROWS16_FORMATS names (q4_k),
+//   `rows16` (rows16_b32, rows16_k below): 16 weight rows at a time in AVX-512 lanes by VNNI
+//   byte dots, computing the AMX tiles' bits (csrc/quant_amx.h) for any format, so a call takes
+//   the tiles or this path by row count alone and a row's result never depends on its call.
 #pragma once
 
 #include "quant_blocks.h"
@@ -97,7 +98,7 @@ struct DirectRow {
 };
 
 #if defined(__AVX512VNNI__)
-// rows16: every format by VNNI byte dots (the avx512 and amx levels). Each int16
+// rows16: any format by VNNI byte dots (the amx level; the avx512 level's q4_k). Each int16
 // activation code x (|x| <= 32639, quantize_act) is split as x = 256 xh + xl, both signed bytes,
 // and a block's 64 bytes hold [xl of values 0-31 | xh of values 0-31] (vnni_acts). The weight
 // codes go in as unsigned bytes in the same places, twice: [values 0-31 | values 0-31], so a

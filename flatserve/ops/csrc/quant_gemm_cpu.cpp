@@ -191,8 +191,8 @@ void gemm_direct(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 
 #if defined(__AVX512VNNI__)
 // 16 weight rows at a time, four activation rows at a time, by VNNI byte dots (csrc/quant_rows.h
-// rows16_b32 / rows16_k): at the amx level the tiles' bits; at the avx512 level (AMD Zen 4) every
-// format's path.
+// rows16_b32 / rows16_k): at the amx level the tiles' bits; at the avx512 level (AMD Zen 4) the
+// path of the formats g_rows16_mask names.
 template <int fmt, typename T>
 void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
   const int64_t nb = a.K / 32;
