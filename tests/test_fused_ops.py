@@ -53,12 +53,12 @@ def impl(request, monkeypatch):
 @pytest.fixture
 def triton_ops_dev():
     """-> (triton_ops, its device), for what only the Triton ops do."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if not (torch.cuda.is_available() or interpret):
         pytest.skip("needs CUDA (or TRITON_INTERPRET=1)")
     from flatserve.ops import triton_ops
 
-    return triton_ops, "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
-        else "cpu"
+    return triton_ops, "cpu" if interpret else "cuda"
 
 
 @pytest.fixture(params=CPU_LEVELS)
