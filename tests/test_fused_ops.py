@@ -193,7 +193,8 @@ def test_rope_with_the_kv_write_equals_rope_then_store_kv(triton_ops_dev, dtype,
     T, bs, blocks = random.randint(1, 40), 16, 8
     rot = Rotary(RopeConfig(theta=1e4), rot_dim).to(dev)
     qkv = torch.randn(T, (hq + 2 * hkv) * head_dim, device=dev, dtype=dtype) * 2
-    q, k, v = (t.view(T, -1, head_dim) for t in qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1))
+    sizes = [hq * head_dim, hkv * head_dim, hkv * head_dim]
+    q, k, v = (t.view(T, -1, head_dim) for t in qkv.split(sizes, -1))
     pos = torch.randint(0, 500, (T,), device=dev)
     slots = torch.randperm(blocks * bs, device=dev)[:T]
     slots[torch.rand(T, device=dev) < 0.2] = -1  # padded graph rows
