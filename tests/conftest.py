@@ -178,7 +178,14 @@ def amx_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.fixture(params=["avx512"])
 def avx512_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The avx512 level, for the paths it keeps off by default (the quantized GEMM's rows16)."""
+    """The avx512 level, for what only it has (the quantized GEMM's format mask)."""
+    return _at_level(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def tile_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The levels whose quantized GEMM computes the AMX tiles' bits (AMX-INT8 tiles at amx,
+    their VNNI form at avx512) and rows16's."""
     return _at_level(request.param, monkeypatch)
 
 

@@ -1,11 +1,12 @@
-"""The quantized GEMM's paths at the amx level, AMX-INT8 tiles (csrc/quant_amx.h) and rows16
-(csrc/quant_rows.h, the tiles' bits in AVX-512 lanes), against the avx2 level's vector path
-(the AVX2 int16 code), one format and shape, at 1-32 activation rows, alternated in one process
-(min of 7 calls each; this kind of VM drifts +-30% between runs).
+"""The quantized GEMM's tile-bit paths, the tiles (AMX-INT8 at the amx level, csrc/quant_amx.h;
+their VNNI emulation at the avx512 level, csrc/quant_vnni.h) and rows16 (csrc/quant_rows.h),
+against the vector path (the AVX2 int16 code: the avx2 level's under amx, the avx512 build's own
+under avx512), one format and shape, at 1-32 activation rows, alternated in one process (min of
+7 calls each; this kind of VM drifts +-30% between runs).
 
     .venv/bin/python benchmarks/dev/cpu_quant_tiles.py [--fmt q8_0] [--k 640] [--n 262144]
 
-Needs an AMX CPU. quant_gemm_cpu.cpp's tile_rows came from this script.
+--level amx needs an AMX CPU. quant_gemm_cpu.cpp's tile_rows came from this script.
 """
 from __future__ import annotations
 
@@ -28,16 +29,24 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=640)
     ap.add_argument("--n", type=int, default=262144)
     ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--level", default="auto", choices=["auto", "amx", "avx512"])
     args = ap.parse_args()
     fmt = FORMATS[args.fmt]
     w = random_blocks(fmt, args.n, args.k, 0).reshape(args.n, -1)
+    level = args.level
+    if level == "auto":
+        level = "amx" if "amx_tile" in open("/proc/cpuinfo").read() else "avx512"
     exts = {}
-    for level in ("avx2", "amx"):
-        os.environ["FLATSERVE_CPU_ISA"] = level
-        exts[level] = quant.kernel()
-        assert exts[level] is not None and (level != "amx" or exts[level].isa() == "amx"), "needs an AMX CPU"
-    runs = {"vector": (exts["avx2"], 0), "rows16": (exts["amx"], 1), "tiles": (exts["amx"], 2)}
-    print(f"{args.fmt} {args.n} x {args.k}, {torch.get_num_threads()} threads")
+    for lv in ("avx2", level):
+        os.environ["FLATSERVE_CPU_ISA"] = lv
+        exts[lv] = quant.kernel()
+        assert exts[lv] is not None and exts[lv].isa() == lv, f"this CPU does not run the {lv} level"
+    vector = exts["avx2"]
+    if level == "avx512":  # the avx512 build's own vector path: no format on rows16
+        vector = exts[level]
+        vector.set_rows16_formats(0)
+    runs = {"vector": (vector, 0), "rows16": (exts[level], 1), "tiles": (exts[level], 2)}
+    print(f"{args.fmt} {args.n} x {args.k}, level {level}, {torch.get_num_threads()} threads")
     for m in map(int, args.rows.split(",")):
         x = torch.randn(m, args.k).bfloat16()
         best = {}

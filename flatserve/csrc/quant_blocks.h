@@ -44,6 +44,28 @@ constexpr Layout known_layout(int fmt) {  // {0, 0, false} for an unknown format
   return {0, 0, false};
 }
 
+#if QG_AVX2
+// rows16 and the VNNI tiles read 16 weight rows at a time, block by block: 16 streams, which the
+// hardware prefetchers of a 2-core Zen 4 did not keep up with where the weights came from memory
+// (the 171 MB Q8_0 LM head, and every layer's linears after the head has evicted them). So the next
+// 16 rows' bytes are requested into L2 a few lines per block while these compute (all at once,
+// the requests queued behind full miss buffers and stalled the loop: 12% of the VNNI tiles' head
+// time at 16 rows). Measured in quant_gemm_cpu.cpp (stream_bytes).
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;
+  // bytes [p, p + n) over `steps` calls of step()
+  void spread(const uint8_t* from, int64_t n, int64_t steps) {
+    p = reinterpret_cast<const char*>(from), end = p + n;
+    per_step = (n / 64 + steps - 1) / steps + 1;
+  }
+  __attribute__((always_inline)) inline void step() {
+    for (int64_t i = 0; i < per_step && p < end; ++i, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+  }
+};
+#endif
+
 inline Layout layout(int fmt) {
   const Layout L = known_layout(fmt);
   TORCH_CHECK(L.block > 0, "quant_gemm: unknown format ", fmt);

@@ -3,10 +3,11 @@
 //
 // - the AVX2 vector path (1-4 activation rows; the avx2 level, and the avx512 level's formats
 //   below), one row at a time: DirectRow;
-// - at the amx level, and at the avx512 level for the formats quant.ROWS16_FORMATS names (q4_k),
+// - at the amx level, and at the avx512 level for the formats quant.ROWS16_FORMATS names (all),
 //   `rows16` (rows16_b32, rows16_k below): 16 weight rows at a time in AVX-512 lanes by VNNI
 //   byte dots, computing the AMX tiles' bits (csrc/quant_amx.h) for any format, so a call takes
-//   the tiles or this path by row count alone and a row's result never depends on its call.
+//   the tiles (or their VNNI form, csrc/quant_vnni.h) or this path by row count alone and a row's
+//   result never depends on its call.
 #pragma once
 
 #include "quant_blocks.h"
@@ -98,7 +99,7 @@ struct DirectRow {
 };
 
 #if defined(__AVX512VNNI__)
-// rows16: any format by VNNI byte dots (the amx level; the avx512 level's q4_k). Each int16
+// rows16: any format by VNNI byte dots (the amx and avx512 levels' calls of a few rows). Each int16
 // activation code x (|x| <= 32639, quantize_act) is split as x = 256 xh + xl, both signed bytes,
 // and a block's 64 bytes hold [xl of values 0-31 | xh of values 0-31] (vnni_acts). The weight
 // codes go in as unsigned bytes in the same places, twice: [values 0-31 | values 0-31], so a
@@ -190,13 +191,14 @@ constexpr int vnni_off = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : fmt == Q8_0 ? 128 
 // first block) -> acc[t] lane r. xv, xsum: vnni_acts; xd: the rows' block scales.
 template <int fmt, int MS>
 inline void rows16_b32(const uint8_t* const rows[16], const int8_t* const xv[MS], const int32_t* const xsum[MS],
-                       const float* const xd[MS], int64_t nb, __m512 acc[MS]) {
+                       const float* const xd[MS], int64_t nb, __m512 acc[MS], Prefetch& pf) {
   constexpr int64_t ts = known_layout(fmt).type_size;
   alignas(64) int32_t o[16];
   for (int r = 0; r < 16; ++r) o[r] = static_cast<int32_t>(rows[r] - rows[0]);
   const __m512i offs = _mm512_load_si512(o);
   for (int t = 0; t < MS; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    pf.step();
     const uint8_t* base = rows[0] + b * ts;
     const __m512i g = _mm512_i32gather_epi32(offs, base, 1);  // fp16 scale (Q4_G: then its zero)
     const __m512 sc = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
@@ -277,7 +279,8 @@ inline void vnni_k_scales(const uint8_t* sb, __m512i offs, __m512 sc[16], __m512
 // rows' scaled block sums (the mins term).
 template <int fmt, int MS>
 inline void rows16_k(const uint8_t* const rows[16], const int8_t* const xv[MS], const int32_t* const xsum[MS],
-                     const float* const xd[MS], const float* const xs[MS], int64_t nb, __m512 acc[MS]) {
+                     const float* const xd[MS], const float* const xs[MS], int64_t nb, __m512 acc[MS],
+                     Prefetch& pf) {
   constexpr int64_t ts = known_layout(fmt).type_size;
   constexpr bool halves = fmt == Q6_K;
   alignas(64) int32_t o[16];
@@ -286,6 +289,7 @@ inline void rows16_k(const uint8_t* const rows[16], const int8_t* const xv[MS], 
   for (int t = 0; t < MS; ++t) acc[t] = _mm512_setzero_ps();
   __m512 sc[16], mn[8];
   for (int64_t b = 0; b < nb; ++b) {
+    pf.step();
     const int c = static_cast<int>(b & 7);
     const uint8_t* sb = rows[0] + (b >> 3) * ts;
     if (c == 0) vnni_k_scales<fmt>(sb, offs, sc, mn);

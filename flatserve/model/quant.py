@@ -55,13 +55,15 @@ ACT_ORDER = tuple(range(8)) + tuple(range(16, 24)) + tuple(range(8, 16)) + tuple
 QUANTIZATIONS = ("int8", "q8_0", "q4_0")  # --quantization for float checkpoints
 
 
-# Without AMX (the avx512 level: AMD Zen 4) the formats whose calls take rows16 (VNNI byte dots,
-# csrc/quant_rows.h); the others take the AVX2 kernels. q4_k only: on a real Zen 4 rows16 ran
-# q4_k 1.3-1.5x faster at one row and 1.04-1.13x at 16, and q5_k, q6_k, q5_0, q8_0 0.67-1.06x
-# (benchmarks/dev/cpu_rows16_ab.py; every format on rows16 made decode steps 1.1-1.8x slower:
-# ops/csrc/quant_gemm_cpu.cpp, g_rows16_mask). FLATSERVE_QUANT_ROWS16 ("all", "none" or format
-# names) overrides, for A/Bs.
-ROWS16_FORMATS = os.environ.get("FLATSERVE_QUANT_ROWS16", "q4_k")
+# Without AMX (the avx512 level: AMD Zen 4) the formats whose calls take the tiles' bits: rows16
+# (csrc/quant_rows.h) at a few rows, the tiles in VNNI lanes (csrc/quant_vnni.h) above; the others
+# take the AVX2 kernels, whose bits differ. All of them: on a real 2-core Zen 4 (2026-11-28,
+# benchmarks/dev/cpu_profile_step.py N --by-kernel) 16-request decode steps took 52-67 ms against
+# 99-100 on the default then (q4_k alone), and one-request steps 13.8-15.5 against 16.0-23.3 once
+# rows16 prefetched its rows (ops/csrc/quant_gemm_cpu.cpp, stream_bytes), so every call's bits are
+# the same whatever its row count. FLATSERVE_QUANT_ROWS16 ("all", "none" or format names; empty
+# is the default) overrides, for A/Bs.
+ROWS16_FORMATS = os.environ.get("FLATSERVE_QUANT_ROWS16") or "all"
 _rows16_set: set[int] = set()
 
 

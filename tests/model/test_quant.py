@@ -236,8 +236,9 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(name, cpu
 
 
 def _path(lin, x: torch.Tensor, path: int) -> torch.Tensor:
-    """lin's int16 path with every call on one of the amx level's paths (gemm's `path`: 1 the
-    AVX-512 rows16, 2 the AMX tiles, 0 by row count as the engine calls it)."""
+    """lin's int16 path with every call on one of the amx or avx512 level's paths (gemm's `path`:
+    1 the AVX-512 rows16, 2 the tiles, AMX or in VNNI lanes, 0 by row count as the engine calls
+    it)."""
     ext = quant.kernel()
     acts = ext.quantize_act(x.contiguous())
     y = torch.empty(x.shape[0], lin.out_features, dtype=x.dtype)
@@ -251,10 +252,10 @@ def _path(lin, x: torch.Tensor, path: int) -> torch.Tensor:
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_avx512_rows16_matches_the_vector_path_within_its_bound(name, avx512_isa) -> None:
-    """At the avx512 level every call takes the AVX2 kernels by default (quant.ROWS16_FORMATS);
-    rows16 (csrc/quant_rows.h), forced, stays within the vector path's bound of the float64
-    product of the same int16 codes, at 1-4 rows (a partial group) and 16-17, N not a multiple
-    of 16; and the format mask routes AUTO calls to it."""
+    """At the avx512 level rows16 (csrc/quant_rows.h), forced, stays within the vector path's
+    bound of the float64 product of the same int16 codes, at 1-4 rows (a partial group) and
+    16-17, N not a multiple of 16; and the format mask (quant.ROWS16_FORMATS) routes AUTO calls
+    to the tiles' bits (rows16, or the tiles in VNNI lanes above a few rows)."""
     rng = random.Random()
     k, n = rng.choice([256, 512, 1024]), rng.choice([17, 40])
     lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
@@ -277,13 +278,15 @@ def test_avx512_rows16_matches_the_vector_path_within_its_bound(name, avx512_isa
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_amx_paths_match_the_codes_product_and_each_others_bits(name, amx_isa) -> None:
-    """The amx level's two paths for every format, the AMX-INT8 tiles (csrc/quant_amx.h) and
-    rows16 (csrc/quant_rows.h, weight rows in AVX-512 lanes): within the vector path's bound of
-    the float64 product of the same int16 codes and weights, and each row's bits the same on
-    either path, alone or in calls of any size (1-4 rows: a partial rows16 group; 16 and 17: full
-    and padded tile groups), at any offset; N not a multiple of 16 (a padded last weight group)."""
-    assert quant.kernel().isa() == "amx"
+def test_tile_paths_match_the_codes_product_and_each_others_bits(name, tile_isa) -> None:
+    """The amx and avx512 levels' two paths for every format, the tiles (AMX-INT8 tiles,
+    csrc/quant_amx.h, or their VNNI form, csrc/quant_vnni.h) and rows16 (csrc/quant_rows.h,
+    weight rows in AVX-512 lanes): within the vector path's bound of the float64 product of the
+    same int16 codes and weights, and each row's bits the same on either path, alone or in calls
+    of any size (1-4 rows: a partial rows16 group; 16 and 17: full and padded tile groups), at
+    any offset; N not a multiple of 16 (a padded last weight group); and the engine's own calls
+    (the default format mask at avx512) give the same bits."""
+    assert quant.kernel().isa() == tile_isa
     rng = random.Random()
     k = rng.choice([256, 512, 768])
     n = rng.choice([37, 64])
@@ -301,3 +304,6 @@ def test_amx_paths_match_the_codes_product_and_each_others_bits(name, amx_isa) -
         for path in (0, 1, 2):
             assert torch.equal(_path(lin, x[off:off + m], path), full[off:off + m]), (m, off, path)
     assert torch.equal(lin._int16(quant.kernel(), x), full)  # the engine's own calls
+    for dtype in (torch.bfloat16, torch.float16):  # the tiles' vector bf16 stores round as c10 does
+        xl = x[:17].to(dtype)
+        assert torch.equal(_path(lin, xl, 2), _path(lin, xl, 1)), dtype

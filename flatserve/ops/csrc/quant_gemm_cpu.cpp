@@ -46,6 +46,7 @@
 #include "quant_blocks.h"
 #include "quant_amx.h"
 #include "quant_rows.h"
+#include "quant_vnni.h"
 #include "greedy_q4.h"
 
 namespace greedy_q4 = flatserve::greedy_q4;
@@ -190,6 +191,21 @@ void gemm_direct(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
 #endif
 
 #if defined(__AVX512VNNI__)
+// Weights over this many bytes take rows16's Prefetch (csrc/quant_blocks.h). At the amx level the
+// default model's 178 MB Q8_0 LM head only: one-request decode steps alternated with and without
+// it (`cpu_profile_step.py 1 --by-kernel`, 5 pairs, 2-core Xeon, 2026-11-27) put the head at
+// 9.2-13.2 (median 11.0) against 12.1-13.4 (12.2) ms, while the layers' linears, which its caches
+// held, ran 9-12% slower with it (`cpu_quant_ab.py`; an all-at-once prefetch then). At the avx512
+// level every weight: on a 2-core Zen 4 with every format on rows16 (2026-11-28), one-request
+// steps' layers took 7.0-7.4 ms with it against 10.4-15.2 without (and 7.4-11.0 on the AVX2
+// kernels), at 8 and 16 requests no difference beyond the noise.
+inline int64_t stream_bytes() {
+#ifdef FLATSERVE_AMX
+  if (flatserve::amx_available()) return 64 << 20;
+#endif
+  return 0;
+}
+
 // 16 weight rows at a time, four activation rows at a time, by VNNI byte dots (csrc/quant_rows.h
 // rows16_b32 / rows16_k): at the amx level the tiles' bits; at the avx512 level (AMD Zen 4) the
 // path of the formats g_rows16_mask names.
@@ -199,12 +215,7 @@ void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
   std::vector<int8_t> xv(M * nb * 64);
   std::vector<int32_t> xsum(M * nb * 2);
   for (int64_t m = 0; m < M; ++m) vnni_acts(a.q + m * a.K, nb, xv.data() + m * nb * 64, xsum.data() + m * nb * 2);
-  // A weight past any cache (the default model's 178 MB Q8_0 LM head): the next 16 rows are
-  // requested while these compute. One-request decode steps alternated with and without it
-  // (`cpu_profile_step.py 1 --by-kernel`, 5 pairs, 2-core Xeon, 2026-11-27): the head 9.2-13.2
-  // (median 11.0) vs 12.1-13.4 (12.2) ms. The layers' linears, which caches hold, ran 9-12%
-  // slower with it (`cpu_quant_ab.py`): not for them.
-  const bool stream = N * row_bytes > (64 << 20);
+  const bool stream = N * row_bytes > stream_bytes();
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
     alignas(64) float res[16];
     __m512 acc[4];
@@ -212,11 +223,9 @@ void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
       for (int64_t r = 0; r < 16; ++r) rows[r] = w + (n0 + std::min(r, nn - 1)) * row_bytes;  // past N: read, not stored
-      if (stream && c + 1 < c1) {  // the next 16 rows (contiguous), requested while these compute
-        const char* nx = reinterpret_cast<const char*>(w + (n0 + 16) * row_bytes);
-        const int64_t bytes = std::min<int64_t>(16, N - n0 - 16) * row_bytes;
-        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
-      }
+      Prefetch pf;  // the next 16 rows (contiguous), over this group's (M + 3) / 4 * nb blocks
+      if (stream && c + 1 < c1)
+        pf.spread(w + (n0 + 16) * row_bytes, std::min<int64_t>(16, N - n0 - 16) * row_bytes, (M + 3) / 4 * nb);
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t ms = std::min<int64_t>(4, M - m0);
         const int8_t* xp[4];
@@ -227,15 +236,15 @@ void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t 
           xp[t] = xv.data() + m * nb * 64, sp[t] = xsum.data() + m * nb * 2, dp[t] = a.d + m * nb, ssp[t] = a.s + m * nb;
         }
         if constexpr (known_layout(fmt).block == 32) {
-          if (ms == 1) rows16_b32<fmt, 1>(rows, xp, sp, dp, nb, acc);
-          else if (ms == 2) rows16_b32<fmt, 2>(rows, xp, sp, dp, nb, acc);
-          else if (ms == 3) rows16_b32<fmt, 3>(rows, xp, sp, dp, nb, acc);
-          else rows16_b32<fmt, 4>(rows, xp, sp, dp, nb, acc);
+          if (ms == 1) rows16_b32<fmt, 1>(rows, xp, sp, dp, nb, acc, pf);
+          else if (ms == 2) rows16_b32<fmt, 2>(rows, xp, sp, dp, nb, acc, pf);
+          else if (ms == 3) rows16_b32<fmt, 3>(rows, xp, sp, dp, nb, acc, pf);
+          else rows16_b32<fmt, 4>(rows, xp, sp, dp, nb, acc, pf);
         } else {
-          if (ms == 1) rows16_k<fmt, 1>(rows, xp, sp, dp, ssp, nb, acc);
-          else if (ms == 2) rows16_k<fmt, 2>(rows, xp, sp, dp, ssp, nb, acc);
-          else if (ms == 3) rows16_k<fmt, 3>(rows, xp, sp, dp, ssp, nb, acc);
-          else rows16_k<fmt, 4>(rows, xp, sp, dp, ssp, nb, acc);
+          if (ms == 1) rows16_k<fmt, 1>(rows, xp, sp, dp, ssp, nb, acc, pf);
+          else if (ms == 2) rows16_k<fmt, 2>(rows, xp, sp, dp, ssp, nb, acc, pf);
+          else if (ms == 3) rows16_k<fmt, 3>(rows, xp, sp, dp, ssp, nb, acc, pf);
+          else rows16_k<fmt, 4>(rows, xp, sp, dp, ssp, nb, acc, pf);
         }
         for (int64_t t = 0; t < ms; ++t) {
           _mm512_store_ps(res, acc[t]);
@@ -268,13 +277,10 @@ void rows16_any(int fmt, const Acts& a, int64_t M, const uint8_t* w, int64_t N, 
 enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 
 // Without AMX (the avx512 level: AMD Zen 4), the formats (a bit per GGML type) whose calls take
-// rows16 at any row count; the others take the AVX2 paths below. flatserve/model/quant.py sets
-// it (set_rows16_formats; q4_k only by default: on a real 2-core Zen 4, 32 GB/s, every format on
-// the AVX2 paths ran a one-request decode step in 16.8-17.5 ms against rows16's 31-34, 16
-// requests 90-97 against 102-107; rows16 read the 171 MB Q8_0 LM head at 1 row in 17.4 ms
-// against 6.3, but q4_k 1.3-1.5x faster: benchmarks/dev/cpu_profile_step.py N --by-kernel,
-// cpu_quant_row1.py, cpu_rows16_ab.py, 2026-11-27). All of them until it is called. Bit
-// min(type, 62): Q4_G's type is 100.
+// the tiles' bits: rows16 at up to vnni_rows rows, the tiles in VNNI lanes above; the others take
+// the AVX2 paths below. flatserve/model/quant.py sets it (set_rows16_formats; every format by
+// default, quant.ROWS16_FORMATS says why). All of them until it is called. Bit min(type, 62):
+// Q4_G's type is 100.
 int64_t g_rows16_mask = -1;
 // Activation rows a pass of the AVX2 kernels at 5+ rows: 8 or 4 (set_pass_rows: the A/B of
 // benchmarks/dev/cpu_quant_row1.py --rows 16 --pass-rows 4,8). On a Zen 4 at 16 rows, 8 took the
@@ -297,6 +303,11 @@ int64_t g_pass_rows = 4;
 // avx512 level) the same Xeon forced down put rows16 at 0.42-0.86x the vector path's time at
 // 1-4 rows, 0.69-1.03x at 16; a real Zen 4 did not (g_rows16_mask).
 inline int64_t tile_rows(int fmt) { return fmt == Q8_0 ? 4 : 6; }
+// The same split at the avx512 level, rows16 against the tiles in VNNI lanes (csrc/quant_vnni.h),
+// whose dots cost the same at 1-16 rows: on a 2-core Zen 4 (`benchmarks/dev/cpu_quant_tiles.py`,
+// 2026-11-28) the Q8_0 LM head's tiles took 1.08x rows16's time at 6 rows and 0.87x at 8, the
+// layers' q5_0 / q4_k / q6_k 1.3-1.5x at 6-8 rows and 0.60-0.70x at 16.
+inline int64_t vnni_rows(int fmt) { return fmt == Q8_0 ? 6 : 8; }
 
 template <typename T>
 void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt,
@@ -315,8 +326,14 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
   }
 #endif
 #if defined(__AVX512VNNI__)
-  if (path == ROWS || ((g_rows16_mask >> std::min(fmt, 62)) & 1) || !QG_AVX2)
+  if (path != AUTO || ((g_rows16_mask >> std::min(fmt, 62)) & 1) || !QG_AVX2) {
+    if (path == TILES || (path == AUTO && M > vnni_rows(fmt))) {  // the tiles in VNNI lanes
+      flatserve::qvnni::ActPairs pairs;
+      flatserve::qvnni::act_pairs(a.q, a.d, a.s, M, K, pairs);
+      return flatserve::qvnni::gemm(pairs, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
+    }
     return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
+  }
 #endif
 #if QG_AVX2
   if (M <= 4) {
