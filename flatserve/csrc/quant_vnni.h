@@ -20,6 +20,7 @@
 #pragma once
 
 #include "quant_blocks.h"
+#include "quant_rows.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <ATen/Parallel.h>
@@ -121,41 +122,51 @@ inline void rows8(const int16_t* w16, int64_t K, const float* scT, const float* 
   }
 }
 
-// 16 weight rows' codes, int16 [16][K], scales transposed scT[K / 16][16] and offsets mnT[nb][16];
-// rows past N (r >= nn) are zeros (read, never stored).
+// 16 weight rows' codes, int16 [16][K], scales transposed scT[K / 16][16] (32-value formats:
+// only the even entries, the ones rows8 reads) and offsets mnT[nb][16]; rows past N (r >= nn)
+// repeat row nn - 1 (read, never stored). Each block is widened straight from its stored bytes
+// (DirectRow::codes32) or from unpack_block's codes, and 32-value formats' scales are gathered 16
+// rows a block: unpacking to int8 rows, widening them and transposing the scales in three passes
+// had taken ~55% of the tiles' time on the layers' q5_0 gate_up at 16 rows (2-core Zen 4).
+template <int fmt>
 struct WGroup16 {
-  std::vector<int8_t> v;
+  static constexpr Layout L = known_layout(fmt);
   std::vector<int16_t> w16;
-  std::vector<float> sc, mn, scT, mnT;
-  explicit WGroup16(int64_t K)
-      : v(16 * K, 0), w16(16 * K, 0), sc(16 * K / 16, 0.f), mn(16 * K / 32, 0.f), scT(K), mnT(K / 2) {}
+  std::vector<float> scT, mnT;
+  explicit WGroup16(int64_t K) : w16(16 * K, 0), scT(K, 0.f), mnT(K / 2, 0.f) {}
 
-  void load(const uint8_t* w, int64_t n0, int64_t nn, int64_t row_bytes, const Layout& L, int fmt, int64_t K) {
+  void load(const uint8_t* w, int64_t n0, int64_t nn, int64_t row_bytes, int64_t K) {
     const int64_t nb = K / 32;
-    if (fmt == Q8_0) {  // the stored codes widened in place: no unpack (the LM head's 5.2M blocks)
+    auto row = [&](int64_t r) { return w + (n0 + std::min(r, nn - 1)) * row_bytes; };
+    if constexpr (L.block == 32) {
       for (int64_t r = 0; r < 16; ++r) {
-        const uint8_t* row = w + (n0 + std::min(r, nn - 1)) * row_bytes;
-        for (int64_t b = 0; b < nb; ++b) {
-          _mm512_storeu_si512(w16.data() + r * K + 32 * b, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                                             reinterpret_cast<const __m256i*>(row + 34 * b + 2))));
-          scT[32 * b + r] = h2f(row + 34 * b);
+        const uint8_t* src = row(r);
+        for (int64_t b = 0; b < nb; ++b)
+          _mm512_storeu_si512(w16.data() + r * K + 32 * b,
+                              _mm512_cvtepi8_epi16(DirectRow<fmt>::codes32(src + b * L.type_size)));
+      }
+      alignas(64) int32_t o[16];
+      for (int r = 0; r < 16; ++r) o[r] = static_cast<int32_t>(row(r) - row(0));
+      const __m512i offs = _mm512_load_si512(o);
+      for (int64_t b = 0; b < nb; ++b) {  // fp16 d at each block's start: the dword's low half
+        const __m512i g = _mm512_i32gather_epi32(offs, row(0) + b * L.type_size, 1);
+        _mm512_storeu_ps(scT.data() + 32 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+      }
+    } else {
+      alignas(64) int8_t v[256];
+      float sc[16], mn[8];
+      for (int64_t r = 0; r < 16; ++r) {
+        const uint8_t* src = row(r);
+        for (int64_t i = 0; i < K / 256; ++i) {
+          unpack_block(src + i * L.type_size, fmt, v, sc, mn);
+          for (int j = 0; j < 256; j += 32)
+            _mm512_storeu_si512(w16.data() + r * K + 256 * i + j, _mm512_cvtepi8_epi16(ld(v + j)));
+          for (int j = 0; j < 16; ++j) scT[16 * (16 * i + j) + r] = sc[j];
+          if constexpr (L.mins)
+            for (int j = 0; j < 8; ++j) mnT[16 * (8 * i + j) + r] = mn[j];
         }
       }
-      return;
     }
-    for (int64_t r = 0; r < 16; ++r) {
-      if (r < nn) unpack_row(w + (n0 + r) * row_bytes, L, fmt, K, {v.data() + r * K, sc.data() + r * 2 * nb,
-                                                                   mn.data() + r * nb});
-      else std::memset(v.data() + r * K, 0, K);
-    }
-    for (int64_t i = 0; i < 16 * K; i += 32)
-      _mm512_storeu_si512(w16.data() + i, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                              reinterpret_cast<const __m256i*>(v.data() + i))));
-    for (int64_t i = 0; i < 2 * nb; ++i)
-      for (int r = 0; r < 16; ++r) scT[16 * i + r] = sc[r * 2 * nb + i];
-    if (L.mins)
-      for (int64_t b = 0; b < nb; ++b)
-        for (int r = 0; r < 16; ++r) mnT[16 * b + r] = mn[r * nb + b];
   }
 };
 
@@ -187,18 +198,18 @@ inline void store_group(const float* res, int64_t g, int64_t M, int64_t n0, int6
   }
 }
 
-template <bool halves, bool mins, typename T, typename Store>
-void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt, T* out,
-            int64_t ldo, Store store) {
-  const Layout L = layout(fmt);
+template <int fmt, typename T, typename Store>
+void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo,
+            Store store) {
+  constexpr bool halves = fmt == Q6_K, mins = known_layout(fmt).mins;
   const int64_t K = 32 * a.nb;
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
-    WGroup16 wg(K);
+    WGroup16<fmt> wg(K);
     alignas(64) float res[256];
     __m512 acc[8];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
-      wg.load(w, n0, nn, row_bytes, L, fmt, K);
+      wg.load(w, n0, nn, row_bytes, K);
       Prefetch pf;  // spread over this group's 2 * groups * nb blocks
       if (c + 1 < c1)  // the head at 16 rows stalled on its loads ~30% of its time without
         pf.spread(w + (n0 + 16) * row_bytes, std::min<int64_t>(16, N - n0 - 16) * row_bytes, 2 * a.groups * a.nb);
@@ -218,9 +229,16 @@ void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t r
 template <typename T, typename Store>
 void gemm(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt, T* out,
           int64_t ldo, Store store) {
-  if (fmt == Q6_K) return gemm_t<true, false>(a, M, w, N, row_bytes, fmt, out, ldo, store);
-  if (layout(fmt).mins) return gemm_t<false, true>(a, M, w, N, row_bytes, fmt, out, ldo, store);
-  return gemm_t<false, false>(a, M, w, N, row_bytes, fmt, out, ldo, store);
+  switch (fmt) {
+    case Q4_0: return gemm_t<Q4_0>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q5_0: return gemm_t<Q5_0>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q8_0: return gemm_t<Q8_0>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q4_K: return gemm_t<Q4_K>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q5_K: return gemm_t<Q5_K>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q6_K: return gemm_t<Q6_K>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q4_G: return gemm_t<Q4_G>(a, M, w, N, row_bytes, out, ldo, store);
+  }
+  TORCH_CHECK(false, "quant_gemm: unknown format ", fmt);
 }
 
 }  // namespace flatserve::qvnni
