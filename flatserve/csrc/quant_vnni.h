@@ -184,12 +184,8 @@ inline void store_group(const float* res, int64_t g, int64_t M, int64_t n0, int6
     T* o = out + (16 * g + t) * ldo + n0;
     if constexpr (std::is_same_v<T, float>) {
       _mm512_mask_storeu_ps(o, keep, v);
-    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // round to nearest even, NaN -> 0x7FC0 (c10's)
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-      _mm256_mask_storeu_epi16(o, keep, _mm512_cvtepi32_epi16(r));
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      _mm256_mask_storeu_epi16(o, keep, bf16_rne(v));
     } else {
       alignas(64) float f[16];
       _mm512_store_ps(f, v);

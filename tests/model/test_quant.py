@@ -105,13 +105,17 @@ def test_zero_rows_and_the_packed_op() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_prompt_rows_dequantize_in_cpp_with_the_references_bits(name) -> None:
-    """From PROMPT_ROWS rows on: C++ dequantized slices (bit-equal to the torch reference) and
-    the dense GEMM on float activations."""
-    lin, w = _lin({"": (300, name)}, 512, seed=9)
+def test_prompt_rows_dequantize_in_cpp_with_the_references_bits(name, cpu_isa) -> None:
+    """From PROMPT_ROWS rows on: C++ dequantized slices (bit-equal to the torch reference, and in
+    bf16 to its rounding, at every ISA level: AVX-512 has a vector loop) and the dense GEMM on
+    float activations."""
+    lin, w = _lin({"": (300, name)}, 512, seed=random.randrange(1 << 20))
     out = torch.empty(300, 512)
     quant.kernel().dequant(lin.qweight0, FORMATS[name].ggml_type, out)
     assert torch.equal(out, w)
+    out16 = torch.empty(300, 512, dtype=torch.bfloat16)
+    quant.kernel().dequant(lin.qweight0, FORMATS[name].ggml_type, out16)
+    assert torch.equal(out16, w.bfloat16())
     x = torch.randn(quant.PROMPT_ROWS + 5, 512)
     ref = x.double() @ w.double().t()
     assert ((lin(x).double() - ref).norm() / ref.norm()).item() < 1e-6

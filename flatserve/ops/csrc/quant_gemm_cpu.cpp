@@ -442,6 +442,21 @@ namespace {
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void dense_row(const int8_t* v, const float* sc,
                                                              const float* mn, bool mins, int64_t K, T* o) {
+#if defined(__AVX512F__)
+  // 16 values (one 16-value scale) a step, the same two roundings: the scalar loop, with c10's
+  // conversion per value, took 2.1-2.5 ms for the default GGUF's 4096 x 640 gate_up in bf16 on a
+  // 2-core Zen 4, half the time of the 256-row prompt GEMM it feeds.
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + k));
+      __m512 x = _mm512_mul_ps(_mm512_set1_ps(sc[k / 16]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+      if (mins) x = _mm512_sub_ps(x, _mm512_set1_ps(mn[k / 32]));
+      if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(o + k, x);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), bf16_rne(x));
+    }
+    return;
+  }
+#endif
   for (int64_t k = 0; k < K; ++k) {
     const float x = sc[k / 16] * static_cast<float>(v[k]);
     o[k] = static_cast<T>(mins ? x - mn[k / 32] : x);
