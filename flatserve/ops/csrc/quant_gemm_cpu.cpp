@@ -18,7 +18,8 @@
 // call, so a 16-row decode step reads each weight block from memory once. AVX2 (+FMA, F16C):
 // unpack and dot per 32 values in 256-bit registers, the weight codes sign-extended to int16 and
 // multiplied by vpmaddwd. Without AVX2 the same arithmetic runs in plain C++. At the amx level
-// every format takes AMX-INT8 tiles or their bits in AVX-512 lanes instead (tile_rows below).
+// every format takes AMX-INT8 tiles or their bits in AVX-512 lanes instead (tile_rows below); at
+// the avx512 level the tiles' bits too, their integer dots in VNNI lanes (csrc/quant_vnni.h).
 //
 // Why int16 activation codes (llama.cpp uses int8): int8 codes (amax / 127 per step) cost the
 // default GGUF 4 points of teacher-forced top-1 agreement (95.9% against its fp32 weights,
