@@ -37,42 +37,26 @@ namespace flatserve::qamx {
 
 using namespace flatserve::qblocks;
 
-// One call's activation rows in groups of 16 (the last zero-padded): per group and block, the
-// hi and lo byte tiles [8][16][4] and the rows' scales and scaled sums [16].
-struct ActTiles {
-  int64_t groups = 0, nb = 0;
+// One call's activation rows in groups of 16 (ActGroups): per group and block the hi and lo byte
+// tiles [8][16][4].
+struct ActTiles : ActGroups {
   std::vector<int8_t> hi;
   std::vector<uint8_t> lo;
-  std::vector<float> d, s;
   const int8_t* hi_at(int64_t g, int64_t b) const { return hi.data() + (g * nb + b) * 512; }
   const uint8_t* lo_at(int64_t g, int64_t b) const { return lo.data() + (g * nb + b) * 512; }
-  const float* d_at(int64_t g, int64_t b) const { return d.data() + (g * nb + b) * 16; }
-  const float* s_at(int64_t g, int64_t b) const { return s.data() + (g * nb + b) * 16; }
 };
 
 inline void act_tiles(const int16_t* q, const float* d, const float* s, int64_t M, int64_t K, ActTiles& a) {
-  a.nb = K / 32;
-  a.groups = (M + 15) / 16;
-  const int64_t n = a.groups * a.nb;
-  a.hi.assign(n * 512, 0);
-  a.lo.assign(n * 512, 0);
-  a.d.assign(n * 16, 0.f);
-  a.s.assign(n * 16, 0.f);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const int64_t g = m / 16, t = m % 16;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        const int16_t* x = q + m * K + 32 * b;
-        int8_t* hi = a.hi.data() + (g * a.nb + b) * 512 + 4 * t;
-        uint8_t* lo = a.lo.data() + (g * a.nb + b) * 512 + 4 * t;
-        for (int l = 0; l < 32; ++l) {  // value l: tile row l / 4, byte l % 4 of column t
-          const int16_t c = x[act_value(l)];
-          hi[(l / 4) * 64 + l % 4] = static_cast<int8_t>(c >> 8);
-          lo[(l / 4) * 64 + l % 4] = static_cast<uint8_t>(c & 0xFF);
-        }
-        a.d[(g * a.nb + b) * 16 + t] = d[m * a.nb + b];
-        a.s[(g * a.nb + b) * 16 + t] = s[m * a.nb + b];
-      }
+  a.shape(M, K);
+  a.hi.assign(a.groups * a.nb * 512, 0);
+  a.lo.assign(a.groups * a.nb * 512, 0);
+  a.fill(q, d, s, M, [&](int64_t i, int64_t t, const int16_t* x) {
+    int8_t* hi = a.hi.data() + i * 512 + 4 * t;
+    uint8_t* lo = a.lo.data() + i * 512 + 4 * t;
+    for (int l = 0; l < 32; ++l) {  // value l: tile row l / 4, byte l % 4 of column t
+      const int16_t c = x[act_value(l)];
+      hi[(l / 4) * 64 + l % 4] = static_cast<int8_t>(c >> 8);
+      lo[(l / 4) * 64 + l % 4] = static_cast<uint8_t>(c & 0xFF);
     }
   });
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -43,6 +44,35 @@ constexpr Layout known_layout(int fmt) {  // {0, 0, false} for an unknown format
   }
   return {0, 0, false};
 }
+
+// A call's activation rows in groups of 16 (the last zero-padded), as the tile layouts take them
+// (csrc/quant_amx.h, csrc/quant_vnni.h): per group and block the rows' scales and scaled sums
+// [16]; the codes in each layout's own form, written by fill's put(i, t, xq): row t of
+// group-block i = g * nb + b has the 32 codes xq (ACT_ORDER).
+struct ActGroups {
+  int64_t groups = 0, nb = 0;
+  std::vector<float> d, s;
+  const float* d_at(int64_t g, int64_t b) const { return d.data() + (g * nb + b) * 16; }
+  const float* s_at(int64_t g, int64_t b) const { return s.data() + (g * nb + b) * 16; }
+
+  void shape(int64_t M, int64_t K) {  // then size the codes for groups * nb group-blocks
+    nb = K / 32, groups = (M + 15) / 16;
+    d.assign(groups * nb * 16, 0.f);
+    s.assign(groups * nb * 16, 0.f);
+  }
+  template <typename Put>
+  void fill(const int16_t* q, const float* dq, const float* sq, int64_t M, Put put) {
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t i = (m / 16) * nb + b, t = m % 16;
+          put(i, t, q + (m * nb + b) * 32);
+          d[i * 16 + t] = dq[m * nb + b];
+          s[i * 16 + t] = sq[m * nb + b];
+        }
+    });
+  }
+};
 
 #if QG_AVX2
 // rows16 and the VNNI tiles read 16 weight rows at a time, block by block: 16 streams, which the

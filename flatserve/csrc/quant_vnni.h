@@ -38,35 +38,19 @@ namespace flatserve::qvnni {
 
 using namespace flatserve::qblocks;
 
-// One call's activation rows in groups of 16 (the last zero-padded): per group and block, the
-// codes [16 pairs][16 rows][2] and the rows' scales and scaled sums [16].
-struct ActPairs {
-  int64_t groups = 0, nb = 0;
+// One call's activation rows in groups of 16 (ActGroups): per group and block the codes
+// [16 pairs][16 rows][2].
+struct ActPairs : ActGroups {
   std::vector<int16_t> x;
-  std::vector<float> d, s;
   const int16_t* x_at(int64_t g, int64_t b) const { return x.data() + (g * nb + b) * 512; }
-  const float* d_at(int64_t g, int64_t b) const { return d.data() + (g * nb + b) * 16; }
-  const float* s_at(int64_t g, int64_t b) const { return s.data() + (g * nb + b) * 16; }
 };
 
 inline void act_pairs(const int16_t* q, const float* d, const float* s, int64_t M, int64_t K, ActPairs& a) {
-  a.nb = K / 32;
-  a.groups = (M + 15) / 16;
-  const int64_t n = a.groups * a.nb;
-  a.x.assign(n * 512, 0);
-  a.d.assign(n * 16, 0.f);
-  a.s.assign(n * 16, 0.f);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const int64_t g = m / 16, t = m % 16;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        const int16_t* xq = q + m * K + 32 * b;
-        int16_t* dst = a.x.data() + (g * a.nb + b) * 512 + 2 * t;
-        for (int l = 0; l < 32; ++l) dst[(l / 2) * 32 + l % 2] = xq[act_value(l)];  // value l: pair l / 2
-        a.d[(g * a.nb + b) * 16 + t] = d[m * a.nb + b];
-        a.s[(g * a.nb + b) * 16 + t] = s[m * a.nb + b];
-      }
-    }
+  a.shape(M, K);
+  a.x.assign(a.groups * a.nb * 512, 0);
+  a.fill(q, d, s, M, [&](int64_t i, int64_t t, const int16_t* xq) {
+    int16_t* dst = a.x.data() + i * 512 + 2 * t;
+    for (int l = 0; l < 32; ++l) dst[(l / 2) * 32 + l % 2] = xq[act_value(l)];  // value l: pair l / 2
   });
 }
 
