@@ -98,8 +98,7 @@ class ModelRunner:
         attn = [m for m in model.modules() if isinstance(m, Attention)]
         assert len(attn) == cfg.num_layers
         for i, layer in enumerate(attn):
-            layer.kv_cache = (self.kv[i, 0], self.kv[i, 1])  # [num_blocks, block_size, Hkv, D]
-            layer.backend = self.backend
+            layer.bind(self.backend, (self.kv[i, 0], self.kv[i, 1]))  # [num_blocks, block_size, Hkv, D]
         # CPU decode steps: the decoder layers in one C++ call where the model runs on its
         # kernels (model/cpu_stack.py); None keeps the Python layers.
         for m in model.modules():

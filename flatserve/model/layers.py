@@ -314,11 +314,18 @@ class Attention(nn.Module):
                                       cfg.attn_logit_softcap)
         # GPT-OSS: one logit per query head that joins every softmax with no value (HF's name).
         self.sinks = nn.Parameter(torch.zeros(self.hq)) if cfg.attention_sinks else None
-        # Bound by the runner once the KV pool exists.
+        # Bound by the runner once the KV pool exists (bind).
         self.backend: AttentionBackend | None = None
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fused: Callable[..., None] | None = None  # q/k norm + rotary in one kernel
         self.rope_stores_kv = False  # and it takes the KV write (flatserve.ops.enable)
+        self.stores_kv = False  # ... and the bound backend only attends (bind)
+
+    def bind(self, backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The runner's backend and this layer's [num_blocks, block_size, Hkv, D] caches. The fused
+        rope writes k and v into the caches where it can (Triton) and the backend has `attend`."""
+        self.backend, self.kv_cache = backend, kv_cache
+        self.stores_kv = self.fused is not None and self.rope_stores_kv and hasattr(backend, "attend")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -328,9 +335,7 @@ class Attention(nn.Module):
         v = v.view(T, self.hkv, self.d)
         meta = current_metadata()
         assert self.backend is not None and self.kv_cache is not None, "runner binds the KV pool"
-        # The fused rope writes k and v into the caches too where it can (Triton), and the
-        # backend then only attends.
-        stored = self.fused is not None and self.rope_stores_kv and hasattr(self.backend, "attend")
+        stored = self.stores_kv  # the fused rope writes k and v, the backend only attends
         if self.fused is not None:  # in place on the q/k views of the qkv output
             n = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, bool(self.q_norm.offset)) \
                 if self.qk_norm else (None, None, 0.0, False)
