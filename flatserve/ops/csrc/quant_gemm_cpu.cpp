@@ -208,8 +208,8 @@ inline int64_t stream_bytes() {
 }
 
 // 16 weight rows at a time, four activation rows at a time, by VNNI byte dots (csrc/quant_rows.h
-// rows16_b32 / rows16_k): at the amx level the tiles' bits; at the avx512 level (AMD Zen 4) the
-// path of the formats g_rows16_mask names.
+// rows16_b32 / rows16_k), the tiles' bits: at the amx level up to tile_rows rows, at the avx512
+// level (AMD Zen 4) up to vnni_rows for the formats g_rows16_mask names.
 template <int fmt, typename T>
 void gemm_rows16(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo) {
   const int64_t nb = a.K / 32;
@@ -302,12 +302,13 @@ int64_t g_pass_rows = 4;
 // 0.66x, tiles 0.81x, q5_0 4096 x 640 0.48x / 0.64x, but the Q8_0 head 0.74x / 0.63x; from 8
 // rows the tiles lead (16 rows: 0.46-0.58x against rows16's 0.69-1.03x). Without tiles (the
 // avx512 level) the same Xeon forced down put rows16 at 0.42-0.86x the vector path's time at
-// 1-4 rows, 0.69-1.03x at 16; a real Zen 4 did not (g_rows16_mask).
+// 1-4 rows, 0.69-1.03x at 16; that level's split is vnni_rows, below.
 inline int64_t tile_rows(int fmt) { return fmt == Q8_0 ? 4 : 6; }
 // The same split at the avx512 level, rows16 against the tiles in VNNI lanes (csrc/quant_vnni.h),
 // whose dots cost the same at 1-16 rows: on a 2-core Zen 4 (`benchmarks/dev/cpu_quant_tiles.py`,
-// 2026-11-28) the Q8_0 LM head's tiles took 1.08x rows16's time at 6 rows and 0.87x at 8, the
-// layers' q5_0 / q4_k / q6_k 1.3-1.5x at 6-8 rows and 0.60-0.70x at 16.
+// 8efa8c4, 2026-11-28) the Q8_0 LM head's tiles took 1.08-1.20x rows16's time at 6 rows and
+// 0.87-0.95x at 8; the layers' q5_0 / q4_k / q6_k 0.95-1.43x at 6 rows, 0.77-1.09x at 8 and
+// 0.41-0.69x at 16.
 inline int64_t vnni_rows(int fmt) { return fmt == Q8_0 ? 6 : 8; }
 
 template <typename T>
