@@ -106,6 +106,74 @@ inline void rows8(const int16_t* w16, int64_t K, const float* scT, const float* 
   }
 }
 
+// K formats straight to int16: one 256-value superblock's codes (unpack_block's values, widened)
+// into w (w16's row slice), and the 16 rows' scales / offsets of superblock i, gathered a row a
+// lane (offs: the rows' byte offsets from sb, the first row's superblock), into scT + 256 i and
+// mnT + 128 i, with unpack_block's float products (d * s, dmin * m: the same bits).
+template <int fmt>
+inline void widen_k(const uint8_t* b, int16_t* w) {
+  const __m512i m4 = _mm512_set1_epi16(0x0F);
+  auto wide = [](const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  auto put = [&](int at, __m512i v) { _mm512_storeu_si512(w + at, v); };
+  if constexpr (fmt == Q6_K) {
+    const __m512i m3 = _mm512_set1_epi16(3), k32 = _mm512_set1_epi16(32);
+    auto hi2 = [&](__m512i h, int shift) { return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, shift), m3), 4); };
+    for (int half = 0; half < 2; ++half) {
+      const __m512i l0 = wide(b + 64 * half), l1 = wide(b + 64 * half + 32), h = wide(b + 128 + 32 * half);
+      const int o = 128 * half;
+      put(o, _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(l0, m4), hi2(h, 0)), k32));
+      put(o + 32, _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(l1, m4), hi2(h, 2)), k32));
+      put(o + 64, _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(l0, 4), hi2(h, 4)), k32));
+      put(o + 96, _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(l1, 4), hi2(h, 6)), k32));
+    }
+  } else {  // Q4_K, Q5_K: sub-block pair i = qs[32 i ..]'s low nibbles, then its high ones
+    const uint8_t* qs = b + (fmt == Q4_K ? 16 : 48);
+    const __m512i h = fmt == Q5_K ? wide(b + 16) : _mm512_setzero_si512(), one = _mm512_set1_epi16(1);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i q = wide(qs + 32 * i);
+      __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_srli_epi16(q, 4);
+      if constexpr (fmt == Q5_K) {  // bit 2i / 2i + 1 of qh[l]: bit 4 of value l of the pair's halves
+        lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * i), one), 4));
+        hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * i + 1), one), 4));
+      }
+      put(64 * i, lo);
+      put(64 * i + 32, hi);
+    }
+  }
+}
+
+template <int fmt>
+inline void scales_k(__m512i offs, const uint8_t* sb, float* scT, float* mnT) {
+  auto at = [&](int byte) { return _mm512_i32gather_epi32(offs, sb + byte, 1); };
+  auto byte_of = [](__m512i v, int j) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF)); };
+  auto half_ps = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); };  // low fp16 of each lane
+  if constexpr (fmt == Q6_K) {  // int8 scales at 192, fp16 d at 208 (read as 206's dword: in the block)
+    const __m512 d = half_ps(_mm512_srli_epi32(at(206), 16));
+    for (int q = 0; q < 4; ++q) {
+      const __m512i v = at(192 + 4 * q);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24);
+        _mm512_storeu_ps(scT + 16 * (4 * q + j), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+      }
+    }
+  } else {  // k_scales across the lanes: 8 six-bit scales and mins in 12 bytes from byte 4
+    const __m512i g = at(0), A = at(4), B = at(8), C = at(12), m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15);
+    const __m512 d = half_ps(g), dmin = half_ps(_mm512_srli_epi32(g, 16));
+    auto put = [&](int j, __m512i sc, __m512i mn) {
+      const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+      _mm512_storeu_ps(scT + 16 * (2 * j), s);
+      _mm512_storeu_ps(scT + 16 * (2 * j + 1), s);
+      _mm512_storeu_ps(mnT + 16 * j, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+    };
+    for (int j = 0; j < 4; ++j) {
+      const __m512i a = byte_of(A, j), bb = byte_of(B, j), c = byte_of(C, j);
+      put(j, _mm512_and_si512(a, m6), _mm512_and_si512(bb, m6));
+      put(j + 4, _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_slli_epi32(_mm512_srli_epi32(a, 6), 4)),
+          _mm512_or_si512(_mm512_srli_epi32(c, 4), _mm512_slli_epi32(_mm512_srli_epi32(bb, 6), 4)));
+    }
+  }
+}
+
 // 16 weight rows' codes, int16 [16][K], scales transposed scT[K / 16][16] (32-value formats:
 // only the even entries, the ones rows8 reads) and offsets mnT[nb][16]; rows past N (r >= nn)
 // repeat row nn - 1 (read, never stored). Each block is widened straight from its stored bytes
@@ -136,20 +204,15 @@ struct WGroup16 {
         const __m512i g = _mm512_i32gather_epi32(offs, row(0) + b * L.type_size, 1);
         _mm512_storeu_ps(scT.data() + 32 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
       }
-    } else {
-      alignas(64) int8_t v[256];
-      float sc[16], mn[8];
-      for (int64_t r = 0; r < 16; ++r) {
-        const uint8_t* src = row(r);
-        for (int64_t i = 0; i < K / 256; ++i) {
-          unpack_block(src + i * L.type_size, fmt, v, sc, mn);
-          for (int j = 0; j < 256; j += 32)
-            _mm512_storeu_si512(w16.data() + r * K + 256 * i + j, _mm512_cvtepi8_epi16(ld(v + j)));
-          for (int j = 0; j < 16; ++j) scT[16 * (16 * i + j) + r] = sc[j];
-          if constexpr (L.mins)
-            for (int j = 0; j < 8; ++j) mnT[16 * (8 * i + j) + r] = mn[j];
-        }
-      }
+    } else {  // widen_k / scales_k: unpack_block to int8, widening and scattering the scales a
+      // row at a time had taken about half of a q4_k call at 16 rows
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t i = 0; i < K / 256; ++i) widen_k<fmt>(row(r) + i * L.type_size, w16.data() + r * K + 256 * i);
+      alignas(64) int32_t o[16];
+      for (int r = 0; r < 16; ++r) o[r] = static_cast<int32_t>(row(r) - row(0));
+      const __m512i offs = _mm512_load_si512(o);
+      for (int64_t i = 0; i < K / 256; ++i)
+        scales_k<fmt>(offs, row(0) + i * L.type_size, scT.data() + 256 * i, mnT.data() + 128 * i);
     }
   }
 };
