@@ -50,6 +50,11 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # The capture stream is this device's own: torch.cuda.graph's default is one stream per
+        # process, made on whichever device captured first, and entering it makes that device
+        # current, so a second engine on another GPU (data-parallel replicas are threads of one
+        # process) captured its kernels against the first one's device and failed.
+        self.stream = torch.cuda.Stream(device)
 
     def _meta(self, b: int) -> AttentionMetadata:
         f = self.buf
@@ -69,7 +74,7 @@ class DecodeGraphs:
                 run()  # warm-up: Triton compiles and rotary tables are built outside capture
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, stream=self.stream):
                     self.outputs[b] = run()  # [b, V]
             pool = g.pool()
             self.graphs[b] = g

@@ -35,3 +35,48 @@ def test_tp2_cuda_graphs_equal_tp1(tiny_checkpoint) -> None:
     for p, a, b, c in zip(prompts, one, two, two_eager):
         _assert_greedy_equal(hf, p, b, a)
         _assert_greedy_equal(hf, p, c, a)
+
+
+
+def test_q4_0_replicas_on_two_gpus_give_the_same_tokens(tiny_checkpoint) -> None:
+    """Data parallelism's layout (flatserve/server/data_parallel.py: replicas on threads, one a
+    device): 4-bit weights in bf16, one sequence a replica so every decode step takes the one-row
+    CUDA C++ GEMV, the cuda:1 replica driven from a thread of its own. Both GPUs run the same
+    kernels on the same bits, so the tokens are equal; the GEMV ran on each device."""
+    import threading
+
+    from flatserve.model import cuda_gemv
+
+    family, path, _ = tiny_checkpoint
+    if family != "llama":
+        pytest.skip("one family is enough for the per-device kernel load")
+    launched: dict[int, int] = {}
+    real = cuda_gemv.gemv
+
+    def counting(x, *a, **kw):
+        ok = real(x, *a, **kw)
+        launched[x.device.index] = launched.get(x.device.index, 0) + int(ok)
+        return ok
+
+    rng = random.Random()
+    prompt = [rng.randrange(4, 512) for _ in range(rng.randint(1, 200))]
+    out: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        with LLM(model=str(path), dtype="bfloat16", quantization="q4_0", max_model_len=512,
+                 kv_cache_memory=2**28, device=f"cuda:{i}") as llm:
+            res = llm.generate([{"prompt_token_ids": prompt}],
+                               SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+            out[i] = res[0].outputs[0].token_ids
+
+    cuda_gemv.gemv = counting
+    try:
+        run(0)
+        t = threading.Thread(target=run, args=(1,))
+        t.start()
+        t.join()
+    finally:
+        cuda_gemv.gemv = real
+    assert 1 in out, "the cuda:1 replica failed (see the thread's exception above)"
+    assert out[0] == out[1]
+    assert launched.get(0, 0) > 0 and launched.get(1, 0) > 0, launched

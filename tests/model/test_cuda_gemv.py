@@ -154,3 +154,23 @@ def test_the_cubin_is_built_once_then_read_from_the_kernel_cache(ready, tmp_path
 
     monkeypatch.setattr(api, "compile", no_build)
     assert api.cubin(f"sm_{major}{minor}") == first
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gemv_on_a_second_gpu_uses_that_devices_kernels(ready) -> None:
+    """A tensor-parallel rank on cuda:1 (its device current, as each rank's process sets it): the
+    module is loaded into that device's context and the launch lands there, both kernels."""
+    dev1 = torch.device("cuda", 1)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    with torch.cuda.device(dev1):
+        assert cuda_gemv.prepare(dev1) and 1 in cuda_gemv._API.funcs
+        for n, k in ((1000, 4096), (6151, 4096)):  # 2 and 4 rows a warp
+            raw = random_blocks(FMT, n, k, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+            p, w = quant_planar.repack(raw.to(dev1), FMT), dequantize(raw, FMT, k).double()
+            x = torch.randn(1, k, generator=g).bfloat16().to(dev1)
+            codes, scales, nblk = quant_planar._views(p, FMT)
+            out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev1)
+            assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
+            torch.cuda.synchronize(dev1)
+            s = quant_planar._views(p, FMT)[1] if cuda_gemv.MMA and cuda_gemv.rows_per_warp(n, dev1) == 4 else None
+            _check(out, x, w, s)
