@@ -113,11 +113,15 @@ inline void rows8(const int16_t* w16, int64_t K, const float* scT, const float* 
 template <int fmt>
 inline void widen_k(const uint8_t* b, int16_t* w) {
   const __m512i m4 = _mm512_set1_epi16(0x0F);
-  auto wide = [](const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  auto wide = [](const uint8_t* p) {  // 32 bytes -> 32 int16
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
   auto put = [&](int at, __m512i v) { _mm512_storeu_si512(w + at, v); };
   if constexpr (fmt == Q6_K) {
     const __m512i m3 = _mm512_set1_epi16(3), k32 = _mm512_set1_epi16(32);
-    auto hi2 = [&](__m512i h, int shift) { return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, shift), m3), 4); };
+    auto hi2 = [&](__m512i h, int shift) {  // bits shift, shift + 1 of qh as bits 4, 5
+      return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, shift), m3), 4);
+    };
     for (int half = 0; half < 2; ++half) {
       const __m512i l0 = wide(b + 64 * half), l1 = wide(b + 64 * half + 32), h = wide(b + 128 + 32 * half);
       const int o = 128 * half;
@@ -128,13 +132,15 @@ inline void widen_k(const uint8_t* b, int16_t* w) {
     }
   } else {  // Q4_K, Q5_K: sub-block pair i = qs[32 i ..]'s low nibbles, then its high ones
     const uint8_t* qs = b + (fmt == Q4_K ? 16 : 48);
-    const __m512i h = fmt == Q5_K ? wide(b + 16) : _mm512_setzero_si512(), one = _mm512_set1_epi16(1);
+    const __m512i h = fmt == Q5_K ? wide(b + 16) : _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi16(1);
     for (int i = 0; i < 4; ++i) {
       const __m512i q = wide(qs + 32 * i);
       __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_srli_epi16(q, 4);
       if constexpr (fmt == Q5_K) {  // bit 2i / 2i + 1 of qh[l]: bit 4 of value l of the pair's halves
         lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * i), one), 4));
-        hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * i + 1), one), 4));
+        const __m512i b1 = _mm512_and_si512(_mm512_srli_epi16(h, 2 * i + 1), one);
+        hi = _mm512_or_si512(hi, _mm512_slli_epi16(b1, 4));
       }
       put(64 * i, lo);
       put(64 * i + 32, hi);
@@ -145,8 +151,10 @@ inline void widen_k(const uint8_t* b, int16_t* w) {
 template <int fmt>
 inline void scales_k(__m512i offs, const uint8_t* sb, float* scT, float* mnT) {
   auto at = [&](int byte) { return _mm512_i32gather_epi32(offs, sb + byte, 1); };
-  auto byte_of = [](__m512i v, int j) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF)); };
-  auto half_ps = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); };  // low fp16 of each lane
+  auto byte_of = [](__m512i v, int j) {
+    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF));
+  };
+  auto half_ps = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); };  // each lane's low fp16
   if constexpr (fmt == Q6_K) {  // int8 scales at 192, fp16 d at 208 (read as 206's dword: in the block)
     const __m512 d = half_ps(_mm512_srli_epi32(at(206), 16));
     for (int q = 0; q < 4; ++q) {
@@ -157,7 +165,8 @@ inline void scales_k(__m512i offs, const uint8_t* sb, float* scT, float* mnT) {
       }
     }
   } else {  // k_scales across the lanes: 8 six-bit scales and mins in 12 bytes from byte 4
-    const __m512i g = at(0), A = at(4), B = at(8), C = at(12), m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15);
+    const __m512i g = at(0), A = at(4), B = at(8), C = at(12);
+    const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15);
     const __m512 d = half_ps(g), dmin = half_ps(_mm512_srli_epi32(g, 16));
     auto put = [&](int j, __m512i sc, __m512i mn) {
       const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
@@ -207,7 +216,8 @@ struct WGroup16 {
     } else {  // widen_k / scales_k: unpack_block to int8, widening and scattering the scales a
       // row at a time had taken about half of a q4_k call at 16 rows
       for (int64_t r = 0; r < 16; ++r)
-        for (int64_t i = 0; i < K / 256; ++i) widen_k<fmt>(row(r) + i * L.type_size, w16.data() + r * K + 256 * i);
+        for (int64_t i = 0; i < K / 256; ++i)
+          widen_k<fmt>(row(r) + i * L.type_size, w16.data() + r * K + 256 * i);
       alignas(64) int32_t o[16];
       for (int r = 0; r < 16; ++r) o[r] = static_cast<int32_t>(row(r) - row(0));
       const __m512i offs = _mm512_load_si512(o);

@@ -37,7 +37,6 @@ def test_tp2_cuda_graphs_equal_tp1(tiny_checkpoint) -> None:
         _assert_greedy_equal(hf, p, c, a)
 
 
-
 def test_q4_0_replicas_on_two_gpus_give_the_same_tokens(tiny_checkpoint) -> None:
     """Data parallelism's layout (flatserve/server/data_parallel.py: replicas on threads, one a
     device): 4-bit weights in bf16, one sequence a replica so every decode step takes the one-row

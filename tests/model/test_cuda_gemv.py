@@ -158,8 +158,8 @@ def test_the_cubin_is_built_once_then_read_from_the_kernel_cache(ready, tmp_path
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_gemv_on_a_second_gpu_uses_that_devices_kernels(ready) -> None:
-    """A tensor-parallel rank on cuda:1 (its device current, as each rank's process sets it): the
-    module is loaded into that device's context and the launch lands there, both kernels."""
+    """A data-parallel replica's GPU, cuda:1 (current, as start-up sets it): the module is loaded
+    into that device's context and the launch lands there, both kernels."""
     dev1 = torch.device("cuda", 1)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     with torch.cuda.device(dev1):
@@ -172,5 +172,5 @@ def test_gemv_on_a_second_gpu_uses_that_devices_kernels(ready) -> None:
             out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev1)
             assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
             torch.cuda.synchronize(dev1)
-            s = quant_planar._views(p, FMT)[1] if cuda_gemv.MMA and cuda_gemv.rows_per_warp(n, dev1) == 4 else None
-            _check(out, x, w, s)
+            mma = cuda_gemv.MMA and cuda_gemv.rows_per_warp(n, dev1) == 4
+            _check(out, x, w, scales if mma else None)
