@@ -64,6 +64,8 @@ def enable(model: nn.Module, names: frozenset[str], backend: str) -> None:
         elif isinstance(m, Attention) and "rope" in names:
             m.fused = _rope_op(m, impl)
             m.rope_stores_kv = m.fused is not None and getattr(impl, "ROPE_STORES_KV", False)
+            if m.backend is not None:  # already bound: settle stores_kv again for the new kernel
+                m.bind(m.backend, m.kv_cache)
         elif isinstance(m, GatedMLP) and "act" in names and m.act_name in impl.ACTS:
             m.gated = impl.fuse_gate_up(m)  # the activation in the gate_up GEMM where it can be
             m.fused = None if m.gated else impl.act_and_mul

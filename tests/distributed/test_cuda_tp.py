@@ -37,7 +37,7 @@ def test_tp2_cuda_graphs_equal_tp1(tiny_checkpoint) -> None:
         _assert_greedy_equal(hf, p, c, a)
 
 
-def test_q4_0_replicas_on_two_gpus_give_the_same_tokens(tiny_checkpoint) -> None:
+def test_q4_0_replicas_on_two_gpus_give_the_same_tokens(tiny_checkpoint, monkeypatch) -> None:
     """Data parallelism's layout (flatserve/server/data_parallel.py: replicas on threads, one a
     device): 4-bit weights in bf16, one sequence a replica so every decode step takes the one-row
     CUDA C++ GEMV, the cuda:1 replica driven from a thread of its own. Both GPUs run the same
@@ -68,14 +68,11 @@ def test_q4_0_replicas_on_two_gpus_give_the_same_tokens(tiny_checkpoint) -> None
                                SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
             out[i] = res[0].outputs[0].token_ids
 
-    cuda_gemv.gemv = counting
-    try:
-        run(0)
-        t = threading.Thread(target=run, args=(1,))
-        t.start()
-        t.join()
-    finally:
-        cuda_gemv.gemv = real
+    monkeypatch.setattr(cuda_gemv, "gemv", counting)
+    run(0)
+    t = threading.Thread(target=run, args=(1,))
+    t.start()
+    t.join()
     assert 1 in out, "the cuda:1 replica failed (see the thread's exception above)"
     assert out[0] == out[1]
     assert launched.get(0, 0) > 0 and launched.get(1, 0) > 0, launched
