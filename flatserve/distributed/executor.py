@@ -134,13 +134,17 @@ class TPExecutor:
             return
         self._stopped = True
         self.workers.closing = True
+        told = False
         if self.workers.failed is None:
             try:
-                self.group.broadcast_obj(None)  # every rank leaves its loop
+                self.group.broadcast_obj(None)  # every rank leaves its loop and closes NCCL
+                told = True
             except RuntimeError:
                 pass  # a rank is already gone: stop() below ends the rest
+        if told:
+            self.group.close_data()  # with the other ranks: NCCL's teardown is collective
         self.workers.stop()
-        if self.workers.failed is None:  # a dead peer's group has nothing to close cleanly
+        if told and self.workers.failed is None:  # a dead peer's group has nothing to close cleanly
             self.group.shutdown()
         if self._threads is not None:
             torch.set_num_threads(self._threads)

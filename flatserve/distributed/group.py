@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ import torch.distributed as dist
 # longer messages (prompt chunks) follow in a second one.
 _HEAD = 16384
 _FOREVER = datetime.timedelta(days=365)
+log = logging.getLogger("flatserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +158,30 @@ class TPGroup:
         self.ctrl.allreduce([t], opts).wait()
         return int(t[0])
 
+    def close_data(self, timeout_s: float = 30.0) -> None:
+        """Close NCCL's communicator (no-op on the CPU, where `data` is `ctrl`). NCCL's teardown is
+        collective within a node (NVIDIA/nccl#863): a rank that closes it after its peers exited
+        waits forever, as rank 0 did on 2 x H100 (2026-11-28). So every rank closes it at once,
+        on rank 0's last broadcast, and a thread bounds the wait: a peer that never comes costs
+        `timeout_s` and leaves the communicator open, not a hung exit."""
+        if self.data is self.ctrl:
+            return
+        pg, self.data = self.data, self.ctrl
+        t = threading.Thread(target=_close, args=(pg,), name="flatserve-nccl-close", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            log.warning("flatserve: NCCL communicator of rank %d not closed after %.0f s (a peer "
+                        "did not close its own); left open", self.rank, timeout_s)
+
     def shutdown(self) -> None:
-        for pg in {id(self.ctrl): self.ctrl, id(self.data): self.data}.values():
-            try:
-                pg.shutdown()
-            except (RuntimeError, AttributeError):
-                pass  # a peer already gone: nothing left to close cleanly
+        """Close both groups: NCCL's with the peers (close_data), then gloo's (local)."""
+        self.close_data()
+        _close(self.ctrl)
+
+
+def _close(pg: Any) -> None:
+    try:
+        pg.shutdown()
+    except (RuntimeError, AttributeError):
+        pass  # a peer already gone: nothing left to close cleanly

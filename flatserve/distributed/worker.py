@@ -117,7 +117,8 @@ def worker_main(cfg: Any, rank: int, port: int, device: str, conn: Any) -> None:
         _, _, runner, _ = start_up(cfg, group)
         while True:
             wire = group.broadcast_obj()
-            if wire is None:  # rank 0 shuts down
+            if wire is None:  # rank 0 shuts down: close the groups with it (TPGroup.close_data)
+                group.shutdown()
                 break
             run_step(runner, wire, cfg.block_size, dev)  # type: ignore[arg-type]
     except BaseException as e:  # noqa: BLE001 - a rank reports why it stops, then exits

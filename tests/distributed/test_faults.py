@@ -79,3 +79,40 @@ def test_sigterm_stops_every_rank(tp_server) -> None:
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(worker)
+
+
+def test_nccl_close_is_bounded_when_a_peer_never_closes(caplog) -> None:
+    """NCCL's teardown waits for every rank of the node (seen on 2 x H100: rank 0's shutdown after
+    its peers had exited never returned). close_data gives up after its timeout, leaves the
+    group usable for the gloo close and says so; a teardown that does return is not waited on."""
+    import threading
+
+    from flatserve.distributed.group import TPGroup
+
+    class Teardown:
+        def __init__(self, returns: bool) -> None:
+            self.release, self.calls = threading.Event(), 0
+            if returns:
+                self.release.set()
+
+        def shutdown(self) -> None:
+            self.calls += 1
+            self.release.wait()
+
+    for returns in (False, True):
+        g = TPGroup.__new__(TPGroup)
+        g.rank, g.ctrl, g.data = 0, object(), Teardown(returns)
+        nccl = g.data
+        caplog.clear()
+        t0 = time.monotonic()
+        g.close_data(timeout_s=0.5)
+        took = time.monotonic() - t0
+        assert nccl.calls == 1 and g.data is g.ctrl
+        g.close_data(timeout_s=0.5)  # closed once only
+        assert nccl.calls == 1
+        if returns:
+            assert took < 0.4 and "not closed" not in caplog.text
+        else:
+            assert 0.5 <= took < 5
+            assert "NCCL communicator of rank 0 not closed" in caplog.text
+            nccl.release.set()
