@@ -127,8 +127,6 @@ class EngineConfig:
         what = f"tensor parallelism (tensor_parallel_size {self.tensor_parallel_size})"
         if self.speculative_method:
             raise ValueError(f"speculative decoding is not supported with {what} yet")
-        if self.quantization:
-            raise ValueError(f"quantization {self.quantization!r} is not supported with {what} yet")
         if self.async_scheduling:
             raise ValueError(f"async_scheduling is not supported with {what} yet")
         if self.nnodes > 1 and self.data_parallel_size > 1:

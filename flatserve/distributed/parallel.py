@@ -87,6 +87,23 @@ class RowParallelLinear(nn.Linear):
         y = self.group.all_reduce(F.linear(x, self.weight))  # [T, out]
         return y if self.bias is None else y + self.bias
 
+    def around(self, local: nn.Module) -> nn.Module:
+        """This layer with `local` (a QuantLinear of this rank's columns, no bias: --quantization)
+        computing x_local @ W^T in place of the dense weight."""
+        return Reduced(local, self.group, self.bias)
+
+
+class Reduced(nn.Module):
+    """A row-parallel linear around another module's local product: all_reduce(local(x)) + b."""
+
+    def __init__(self, local: nn.Module, group: TPGroup, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.local, self.group, self.bias = local, group, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(self.local(x))  # [T, out]
+        return y if self.bias is None else y + self.bias
+
 
 class _VocabRows:
     """Rows [start, start + n) of a vocab-sized table; the last rank's tail past V is zeros."""
@@ -115,6 +132,10 @@ class VocabParallelEmbedding(_VocabRows, Embedding):  # no init on meta
         h = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
         return self.group.all_reduce(h.masked_fill_(outside[:, None], 0))
 
+    def around_table(self, table: nn.Module, dtype: torch.dtype) -> nn.Module:
+        """This embedding reading `table`'s rows (the tied head quantized: --quantization)."""
+        return QuantVocabEmbedding(table, self.group, self.start, dtype)
+
 
 class ParallelLMHead(_VocabRows, nn.Linear):
     """Each rank's logits for its vocab rows, gathered: [S, H] -> [S, V] on every rank (the
@@ -127,6 +148,36 @@ class ParallelLMHead(_VocabRows, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather_last(F.linear(x, self.weight))[:, :self.vocab]  # [S, V]
+
+    def around(self, local: nn.Module) -> nn.Module:
+        """This head with `local` (a QuantLinear of this rank's vocab rows) in place of the weight."""
+        return Gathered(local, self.group, self.vocab, self.start)
+
+
+class Gathered(nn.Module):
+    """A vocab-parallel LM head around another module's local logits: [S, H] -> [S, V]. `local`
+    is also the tied embedding's table (VocabParallelEmbedding.around_table)."""
+
+    def __init__(self, local: nn.Module, group: TPGroup, vocab: int, start: int) -> None:
+        super().__init__()
+        self.local, self.group, self.vocab, self.start = local, group, vocab, start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather_last(self.local(x))[:, :self.vocab]  # [S, V]
+
+
+class QuantVocabEmbedding(nn.Module):
+    """VocabParallelEmbedding reading a quantized table's rows (the tied head's QuantLinear)."""
+
+    def __init__(self, table: nn.Module, group: TPGroup, start: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.group, self.start, self.dtype = table, group, start, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.table.out_features)
+        h = self.table.dequant_rows(local.masked_fill(outside, 0)).to(self.dtype)
+        return self.group.all_reduce(h.masked_fill_(outside[:, None], 0))
 
 
 def _shard_attention(a: Attention, g: TPGroup) -> None:

@@ -370,7 +370,9 @@ class QuantEmbedding(nn.Module):
 
 def quantize_model(model: nn.Module, name: str) -> None:
     """`--quantization`: every nn.Linear (decoder projections, LM head) to QuantLinear in place;
-    a tied embedding reads the head's table. int8 is q8_0."""
+    a tied embedding reads the head's table. int8 is q8_0. A tensor-parallel layer (one with
+    `around`: flatserve/distributed/parallel.py) keeps its collective around the QuantLinear of
+    its shard, its bias added after it."""
     fmt = FORMATS["q8_0" if name == "int8" else name]
     emb = model.model.embed_tokens
     tied = getattr(model.lm_head, "weight", None) is getattr(emb, "weight", 0)
@@ -378,17 +380,21 @@ def quantize_model(model: nn.Module, name: str) -> None:
     for parent in list(model.modules()):
         for cname, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.in_features % fmt.block == 0:
+                around = getattr(child, "around", None)
+                inner_bias = child.bias is not None and around is None
                 # On the weight's device: built on the host, load_quant moved a GPU model's blocks
                 # there (since 6d784e3 the CUDA q4_0 run failed in its first forward).
                 with torch.device(child.weight.device):
-                    lin = QuantLinear(child.in_features, {"": (child.out_features, fmt)},
-                                      child.bias is not None)
+                    lin = QuantLinear(child.in_features, {"": (child.out_features, fmt)}, inner_bias)
                 lin.load_quant("", quantize(child.weight.data, fmt), fmt)
-                if child.bias is not None:
+                if inner_bias:
                     lin.bias = nn.Parameter(child.bias.detach(), requires_grad=False)
-                setattr(parent, cname, lin)
-    if tied and isinstance(model.lm_head, QuantLinear):
-        model.model.embed_tokens = QuantEmbedding(model.lm_head, dtype)
+                setattr(parent, cname, lin if around is None else around(lin))
+    table = getattr(model.lm_head, "local", model.lm_head)
+    if tied and isinstance(table, QuantLinear):
+        around_table = getattr(emb, "around_table", None)
+        model.model.embed_tokens = QuantEmbedding(table, dtype) if around_table is None else \
+            around_table(table, dtype)
 
 
 def swap_linears(model: nn.Module, formats: dict[str, Format], dtype: torch.dtype) -> None:

@@ -56,6 +56,36 @@ def test_tp2_greedy_equals_tp1_and_transformers(tiny_checkpoint) -> None:
         _assert_greedy_equal(hf, p, b, _hf_greedy(hf, p, 24))
 
 
+@pytest.mark.parametrize("family,quant", [("llama", "q4_0"), ("qwen2", "q8_0")])
+def test_tp2_quantized_equals_tp1_quantized(tmp_path, family: str, quant: str) -> None:
+    """--quantization under TP=2: each rank quantizes its shard (a block of 32 never straddles
+    one), the row-parallel sum and the vocab gather run around the quantized products, the tied
+    embedding reads its vocab rows of the head's table (both families tie; qwen2's q|k|v has a
+    bias). Tokens equal TP=1's quantized ones but where TP=1's top two are within 1e-3 (only the
+    cross-rank sum order differs), no linear stays dense, and a rank holds about half the bytes."""
+    from tests.conftest import build_checkpoint
+
+    path, _ = build_checkpoint(family, tmp_path, seed=random.randrange(1 << 16))
+    prompts = _prompts(random.randrange(1 << 30), n=4)
+    runs = {}
+    for tp in (1, 2):
+        with LLM(model=str(path), **{**ENGINE, "quantization": quant, "tensor_parallel_size": tp}) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+                max_tokens=16, temperature=0, ignore_eos=True, logprobs=2), use_tqdm=False)
+            assert llm.engine.num_used_blocks == 0
+            runs[tp] = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs],
+                        {f: b for f, _, b in llm.engine.state.weight_formats})
+    (one, logprobs, bytes1), (two, _, bytes2) = runs[1], runs[2]
+    assert set(bytes1) == set(bytes2) == {quant}, (bytes1, bytes2)
+    assert 0.4 * bytes1[quant] < bytes2[quant] < 0.6 * bytes1[quant], (bytes1, bytes2)
+    for a, b, lps in zip(one, two, logprobs):
+        assert len(b) == 16
+        if a != b:
+            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            top = sorted((lp.logprob for lp in lps[k].values()), reverse=True)
+            assert top[0] - top[1] < 1e-3, f"diverged at output {k}, TP=1 margin {top[0] - top[1]:.2e}"
+
+
 def test_tp4_replicates_kv_heads(tmp_path) -> None:
     """2 KV heads over 4 ranks: each KV head lives on 2 ranks."""
     from tests.conftest import build_checkpoint
