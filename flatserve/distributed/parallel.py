@@ -21,10 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flatserve.distributed import quant_shards
 from flatserve.distributed.group import TPGroup
 from flatserve.memory import BudgetError, BudgetRequest, CacheBudget, MemoryProbe, plan
 from flatserve.model.config import ModelConfig
 from flatserve.model.layers import Attention, Embedding, GatedMLP, PackedLinear
+from flatserve.model.quant import QuantEmbedding, QuantLinear
 
 log = logging.getLogger("flatserve")
 
@@ -104,6 +106,9 @@ class Reduced(nn.Module):
         y = self.group.all_reduce(self.local(x))  # [T, out]
         return y if self.bias is None else y + self.bias
 
+    def load_quant(self, shard: str, raw: torch.Tensor, fmt: object) -> None:  # the loader's hook
+        self.local.load_quant(shard, raw, fmt)
+
 
 class _VocabRows:
     """Rows [start, start + n) of a vocab-sized table; the last rank's tail past V is zeros."""
@@ -165,19 +170,40 @@ class Gathered(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather_last(self.local(x))[:, :self.vocab]  # [S, V]
 
+    def load_quant(self, shard: str, raw: torch.Tensor, fmt: object) -> None:
+        self.local.load_quant(shard, raw, fmt)
+
 
 class QuantVocabEmbedding(nn.Module):
     """VocabParallelEmbedding reading a quantized table's rows (the tied head's QuantLinear)."""
 
-    def __init__(self, table: nn.Module, group: TPGroup, start: int, dtype: torch.dtype) -> None:
+    def __init__(self, table: nn.Module, group: TPGroup, start: int, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.table, self.group, self.start, self.dtype = table, group, start, dtype
+
+    def load_quant(self, shard: str, raw: torch.Tensor, fmt: object) -> None:
+        self.table.load_quant(shard, raw, fmt)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         local = ids - self.start
         outside = (local < 0) | (local >= self.table.out_features)
-        h = self.table.dequant_rows(local.masked_fill(outside, 0)).to(self.dtype)
+        h = self.table.dequant_rows(local.masked_fill(outside, 0))
+        h = h if self.dtype is None else h.to(self.dtype)
         return self.group.all_reduce(h.masked_fill_(outside[:, None], 0))
+
+
+def _column(old: nn.Module, parts: dict[str, tuple[int, int]]) -> nn.Module:
+    """q|k|v or gate|up: this rank's rows of each part, dense or as stored blocks."""
+    if isinstance(old, QuantLinear):
+        return quant_shards.ColumnQuantLinear(old, parts)
+    return ColumnPackedLinear(old.in_features, parts, old.bias is not None, old.offsets)
+
+
+def _row(old: nn.Module, k: int, g: TPGroup) -> nn.Module:
+    """o or down: this rank's k input columns, dense or as stored blocks, then the all-reduce."""
+    if isinstance(old, QuantLinear):
+        return Reduced(quant_shards.RowQuantLinear(old, g.rank, g.size), g, old.bias)
+    return RowParallelLinear(k, old.out_features, old.bias is not None, g)
 
 
 def _shard_attention(a: Attention, g: TPGroup) -> None:
@@ -187,20 +213,17 @@ def _shard_attention(a: Attention, g: TPGroup) -> None:
     hkv = kv_heads_per_rank(a.hkv, g.size)
     # KV head of this rank: its own slice, or (replicated) the one its query heads read.
     kv0 = g.rank * hkv if a.hkv >= g.size else g.rank // (g.size // a.hkv)
-    bias = a.qkv_proj.bias is not None
-    a.qkv_proj = ColumnPackedLinear(a.qkv_proj.in_features, {
-        "q_proj": (hq * a.d, g.rank * hq * a.d), "k_proj": (hkv * a.d, kv0 * a.d),
-        "v_proj": (hkv * a.d, kv0 * a.d)}, bias, a.qkv_proj.offsets)
-    a.o_proj = RowParallelLinear(hq * a.d, a.o_proj.out_features, a.o_proj.bias is not None, g)
+    a.qkv_proj = _column(a.qkv_proj, {"q_proj": (hq * a.d, g.rank * hq * a.d),
+                                      "k_proj": (hkv * a.d, kv0 * a.d), "v_proj": (hkv * a.d, kv0 * a.d)})
+    a.o_proj = _row(a.o_proj, hq * a.d, g)
     a.hq, a.hkv = hq, hkv
 
 
 def _shard_mlp(m: GatedMLP, g: TPGroup) -> None:
     inter = _split(m.down_proj.in_features, g.size, "intermediate_size")
-    m.gate_up_proj = ColumnPackedLinear(m.gate_up_proj.in_features, {
-        "gate_proj": (inter, g.rank * inter), "up_proj": (inter, g.rank * inter)}, False,
-        m.gate_up_proj.offsets)
-    m.down_proj = RowParallelLinear(inter, m.down_proj.out_features, m.down_proj.bias is not None, g)
+    m.gate_up_proj = _column(m.gate_up_proj, {"gate_proj": (inter, g.rank * inter),
+                                              "up_proj": (inter, g.rank * inter)})
+    m.down_proj = _row(m.down_proj, inter, g)
 
 
 def shard_model(model: nn.Module, g: TPGroup) -> None:
@@ -213,12 +236,22 @@ every rank computes it whole, so the tokens are the same, only the memory is not
         elif isinstance(m, GatedMLP):
             _shard_mlp(m, g)
     inner = model.model
-    emb = inner.embed_tokens
-    inner.embed_tokens = VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, g)
-    head = model.lm_head
-    model.lm_head = ParallelLMHead(head.in_features, head.out_features, g)
-    if model.cfg.tie_word_embeddings:
-        model.lm_head.weight = inner.embed_tokens.weight
+    emb, head = inner.embed_tokens, model.lm_head
+    if isinstance(head, QuantLinear):  # a GGUF kept quantized: blocks, not dense rows
+        n = -(-head.out_features // g.size)
+        table = quant_shards.VocabQuantRows(head, n, g.rank * n, head.out_features)
+        model.lm_head = Gathered(table, g, head.out_features, g.rank * n)
+    else:
+        model.lm_head = ParallelLMHead(head.in_features, head.out_features, g)
+    if isinstance(emb, QuantEmbedding):
+        n = -(-emb.lin.out_features // g.size)
+        own = table if emb.lin is head else \
+            quant_shards.VocabQuantRows(emb.lin, n, g.rank * n, emb.lin.out_features)
+        inner.embed_tokens = QuantVocabEmbedding(own, g, g.rank * n, emb.dtype)
+    else:
+        inner.embed_tokens = VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, g)
+        if model.cfg.tie_word_embeddings and isinstance(model.lm_head, ParallelLMHead):
+            model.lm_head.weight = inner.embed_tokens.weight
 
 
 def host_share(probe: MemoryProbe, g: TPGroup) -> MemoryProbe:

@@ -182,8 +182,8 @@ def start_up(cfg: EngineConfig, tp: TPGroup | None = None
     dtype = dev.resolve_dtype(cfg.dtype, device)
     dev.map_large_allocations(device)  # until keep_freed_heap: no holes left in the heap
     src, hf, mcfg = _model_config(cfg.model)
-    # Tensor parallelism shards dense weights: a GGUF is dequantized there.
-    keep = _keep_quantized(cfg, device) and tp is None
+    # Under tensor parallelism too: each rank cuts its shard from the blocks (distributed/quant_shards.py).
+    keep = _keep_quantized(cfg, device)
     # Before the tokenizer too (a GGUF's is converted at load, seconds): runtime is lower here.
     if tp is None:  # a rank's share is planned below, per rank
         _preflight(cfg, mcfg, dtype, dev.probe_memory(device),
