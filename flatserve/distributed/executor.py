@@ -113,7 +113,7 @@ class TPExecutor:
             self._threads = pin_cpu_threads(0, topo.local_size, pin=False)
         self.workers = Workers(cfg, topo, list(topo.local_ranks)[1:])
         try:
-            self.group = TPGroup(0, topo, store, device)
+            self.group = TPGroup(0, topo, store, device, failed=lambda: self.workers.failed)
             self.state, self.tokenizer, runner, _ = start_up(cfg, self.group)
         except BaseException:
             self.workers.stop(timeout=0.0)

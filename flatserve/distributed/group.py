@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -84,12 +84,18 @@ def open_store(rank: int, topo: Topology) -> dist.TCPStore:
                            f"{topo.timeout_s:.0f} s (is node 0 running?): {e}") from None
 
 
-def _wait_all(store: dist.TCPStore, rank: int, topo: Topology) -> None:
-    """Every rank announces itself; wait for all, naming the missing ones on timeout."""
+def _wait_all(store: dist.TCPStore, rank: int, topo: Topology,
+              failed: Callable[[], str | None] | None = None) -> None:
+    """Every rank announces itself; wait for all, naming the missing ones on timeout. `failed`
+    (rank 0: its workers' watchdog) ends the wait at once where a local rank already exited:
+    a rank that died at start-up cost the full --dist-timeout (300 s) before."""
     store.set(f"joined/{rank}", f"{socket.gethostname()}:{rank}")
     keys = [f"joined/{r}" for r in range(topo.world_size)]
     deadline = time.monotonic() + topo.timeout_s
     while not store.check(keys):
+        why = failed() if failed is not None else None
+        if why:
+            raise RuntimeError(why)
         if time.monotonic() > deadline:
             missing = [r for r in range(topo.world_size) if not store.check([f"joined/{r}"])]
             nodes = sorted({topo.node_of(r) for r in missing})
@@ -104,10 +110,11 @@ def _wait_all(store: dist.TCPStore, rank: int, topo: Topology) -> None:
 class TPGroup:
     """One rank's view of its tensor-parallel group."""
 
-    def __init__(self, rank: int, topo: Topology, store: dist.TCPStore, device: torch.device) -> None:
+    def __init__(self, rank: int, topo: Topology, store: dist.TCPStore, device: torch.device,
+                 failed: Callable[[], str | None] | None = None) -> None:
         self.rank, self.size, self.topo, self.device = rank, topo.world_size, topo, device
         self._store = store  # rank 0's store must outlive the groups
-        _wait_all(store, rank, topo)
+        _wait_all(store, rank, topo, failed)
         self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), rank, self.size, _FOREVER)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()

@@ -116,3 +116,22 @@ def test_nccl_close_is_bounded_when_a_peer_never_closes(caplog) -> None:
             assert 0.5 <= took < 5
             assert "NCCL communicator of rank 0 not closed" in caplog.text
             nccl.release.set()
+
+
+def test_a_rank_dead_at_start_up_ends_the_rendezvous_at_once(tmp_path) -> None:
+    """A script without the `if __name__ == "__main__"` guard: the spawned rank 1 re-runs it and
+    dies before joining. Rank 0 stops waiting as soon as its watchdog sees that (it waited the
+    whole --dist-timeout, 300 s, before) and the error names the rank."""
+    from tests.conftest import build_checkpoint
+
+    path, _ = build_checkpoint("llama", tmp_path)
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from flatserve import LLM\nLLM(model={str(path)!r}, dtype='float32', device='cpu', "
+                      "attention_backend='torch', enforce_eager=True, tensor_parallel_size=2)\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200,
+                         cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
+    took = time.monotonic() - t0
+    assert out.returncode != 0
+    assert "tensor-parallel rank 1" in out.stderr and "exited with code" in out.stderr, out.stderr[-2000:]
+    assert "timed out" not in out.stderr and took < 90, took
