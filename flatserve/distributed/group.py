@@ -11,8 +11,8 @@ live in one process). It wraps torch.distributed's C++ process groups directly:
 from __future__ import annotations
 
 import datetime
-import pickle
 import logging
+import pickle
 import socket
 import threading
 import time

@@ -13,6 +13,7 @@ buffer, and a view would keep the whole checkpoint tensor alive on every rank.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from flatserve.model.qformats import Format
 from flatserve.model.quant import QuantLinear
@@ -30,6 +31,9 @@ class ColumnQuantLinear(QuantLinear):
     def load_quant(self, shard: str, raw: torch.Tensor, fmt: Format) -> None:
         rows = self.offsets[shard][2]
         super().load_quant(shard, raw.narrow(0, self.src[shard], rows).clone(), fmt)
+
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
+        super().load_shard(param, tensor.narrow(0, self.src[shard], self.offsets[shard][2]), shard)
 
 
 class RowQuantLinear(QuantLinear):

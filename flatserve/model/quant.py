@@ -151,6 +151,15 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{shard}: its act-order permutation differs from its fused siblings'")
         self.perm = perm.long()
 
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
+        """A fused part's bias rows (Qwen2's q|k|v biases beside block-format weights), at the
+        part's place in the output: the rows of the segments before its own, then its first row."""
+        seg, row, n = self.offsets[shard]
+        off = sum(m for i, _, m in self.offsets.values() if i < seg) + row
+        dst = param.data.narrow(0, off, n)
+        assert dst.shape == tensor.shape, f"{shard}: {tuple(tensor.shape)} != {tuple(dst.shape)}"
+        dst.copy_(tensor)
+
     def missing(self) -> list[str]:
         return [s or "weight" for s in self.offsets if s not in self.loaded]
 

@@ -91,37 +91,46 @@ _GGUF_MIX = {"q_proj.weight": "q4_0", "k_proj.weight": "q5_0", "v_proj.weight": 
              "down_proj.weight": "q8_0", "embed_tokens.weight": "q8_0"}
 
 
-def test_tp2_gguf_kept_quantized_equals_tp1(tmp_path) -> None:
+def _margin_where_they_part(ref: list[int], ours: list[int], ref_logprobs: list) -> float:
+    """0 where equal, else the reference's top-2 logprob gap at the first differing output."""
+    if ref == ours:
+        return 0.0
+    k = next(i for i, (x, y) in enumerate(zip(ref, ours)) if x != y)
+    top = sorted((lp.logprob for lp in ref_logprobs[k].values()), reverse=True)
+    return top[0] - top[1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tp2_gguf_kept_quantized_equals_tp1(tmp_path, family: str) -> None:
     """A GGUF's blocks kept as stored under TP=2 (flatserve/distributed/quant_shards.py): each
-    rank cuts its rows (q|k|v, gate|up, its vocab rows of the tied table) and its byte columns
-    (o, down) from the stored blocks. Tokens equal TP=1's but where TP=1's top two are within
-    1e-3, no linear is dense, a rank holds about half the bytes; a K-format down whose columns
-    per rank are not whole superblocks is refused with a one-line reason."""
+    rank cuts its rows (q|k|v with qwen2's biases, gate|up, its vocab rows of the tied table)
+    and its byte columns (o, down) from the stored blocks. Tokens equal TP=1's but where TP=1's
+    top two are within 1e-3, and TP=1's equal the dequantized file's but within 1e-2 (its rows
+    quantize activations to int16); no linear is dense, a rank holds about half the bytes; a
+    K-format down whose columns per rank are not whole superblocks is refused with a reason."""
     from transformers import AutoTokenizer
 
     from tests.conftest import build_checkpoint
     from tests.model.gguf_write import write_gguf
 
-    path, hf = build_checkpoint("llama", tmp_path, seed=random.randrange(1 << 16))
+    path, hf = build_checkpoint(family, tmp_path, seed=random.randrange(1 << 16))
     gguf = write_gguf(hf, AutoTokenizer.from_pretrained(str(path)), tmp_path / "mix.gguf", _GGUF_MIX)
     prompts = _prompts(random.randrange(1 << 30), n=4)
     runs = {}
-    for tp in (1, 2):
-        with LLM(model=str(gguf), **{**ENGINE, "tensor_parallel_size": tp}) as llm:
+    for tp in (0, 1, 2):  # 0: TP=1 on the dequantized file
+        with LLM(model=str(gguf), **{**ENGINE, "tensor_parallel_size": max(tp, 1), "dequantize": tp == 0}) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
                 max_tokens=16, temperature=0, ignore_eos=True, logprobs=2), use_tqdm=False)
             assert llm.engine.num_used_blocks == 0
             runs[tp] = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs],
                         {f: b for f, _, b in llm.engine.state.weight_formats})
-    (one, logprobs, bytes1), (two, _, bytes2) = runs[1], runs[2]
+    (deq, deq_lps, _), (one, logprobs, bytes1), (two, _, bytes2) = runs[0], runs[1], runs[2]
     assert "dense" not in bytes1 and "dense" not in bytes2 and set(bytes1) == set(bytes2), (bytes1, bytes2)
     assert 0.4 * sum(bytes1.values()) < sum(bytes2.values()) < 0.6 * sum(bytes1.values())
-    for a, b, lps in zip(one, two, logprobs):
+    for d, dl, a, b, lps in zip(deq, deq_lps, one, two, logprobs):
         assert len(b) == 16
-        if a != b:
-            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            top = sorted((lp.logprob for lp in lps[k].values()), reverse=True)
-            assert top[0] - top[1] < 1e-3, f"diverged at output {k}, TP=1 margin {top[0] - top[1]:.2e}"
+        assert _margin_where_they_part(a, b, lps) < 1e-3, (a, b)
+        assert _margin_where_they_part(d, a, dl) < 1e-2, (d, a)
     k_down = write_gguf(hf, AutoTokenizer.from_pretrained(str(path)), tmp_path / "kdown.gguf",
                         {**_GGUF_MIX, "down_proj.weight": "q4_k"})  # 256 columns: 128 a rank
     with pytest.raises(Exception, match="not whole q4_k blocks of 256: serve this GGUF with --dequantize"):
