@@ -138,6 +138,18 @@ def test_mixed_segments_and_bias(dtype) -> None:
     assert ((got.double() - ref).norm() / ref.norm()).item() < tol
 
 
+def test_fused_parts_bias_rows_land_at_their_outputs() -> None:
+    """A checkpoint's per-part biases (Qwen2's q|k|v beside block-format weights): load_shard
+    puts each part's rows at its place in the output, across segments of different formats."""
+    shards = {"q": (64, FORMATS["q5_0"]), "k": (32, FORMATS["q5_0"]), "v": (32, FORMATS["q8_0"]),
+              "o": (16, FORMATS["q6_k"])}
+    lin = quant.QuantLinear(512, shards, bias=True)
+    parts = {n: torch.randn(r) for n, (r, _) in shards.items()}
+    for n in random.sample(list(parts), len(parts)):  # any order, as a checkpoint stores them
+        lin.load_shard(lin.bias, parts[n], n)
+    assert torch.equal(lin.bias.data, torch.cat([parts[n] for n in shards]))
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_reference_path_and_embedding_rows(name) -> None:
     lin, w = _lin({"": (300, name)}, 256, seed=5)
