@@ -118,7 +118,8 @@ def test_tp2_gguf_kept_quantized_equals_tp1(tmp_path, family: str) -> None:
     prompts = _prompts(random.randrange(1 << 30), n=4)
     runs = {}
     for tp in (0, 1, 2):  # 0: TP=1 on the dequantized file
-        with LLM(model=str(gguf), **{**ENGINE, "tensor_parallel_size": max(tp, 1), "dequantize": tp == 0}) as llm:
+        how = {**ENGINE, "tensor_parallel_size": max(tp, 1), "dequantize": tp == 0}
+        with LLM(model=str(gguf), **how) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
                 max_tokens=16, temperature=0, ignore_eos=True, logprobs=2), use_tqdm=False)
             assert llm.engine.num_used_blocks == 0
