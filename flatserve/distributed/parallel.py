@@ -109,6 +109,11 @@ class Reduced(nn.Module):
     def load_quant(self, shard: str, raw: torch.Tensor, fmt: object) -> None:  # the loader's hook
         self.local.load_quant(shard, raw, fmt)
 
+    def load_perm(self, shard: str, perm: torch.Tensor) -> None:
+        raise ValueError("a GPTQ checkpoint with act-order (desc_act) stores o's and down's input "
+                         "columns permuted, and those do not split over tensor-parallel ranks: "
+                         "serve it with tensor_parallel_size 1")
+
 
 class _VocabRows:
     """Rows [start, start + n) of a vocab-sized table; the last rank's tail past V is zeros."""

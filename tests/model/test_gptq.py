@@ -95,15 +95,12 @@ def _quantize_linear(w: torch.Tensor, group: int, g_idx: torch.Tensor, method: s
     return q, z, s
 
 
-@pytest.mark.parametrize("method,act_order", [("gptq", True), ("awq", False)])
-def test_checkpoint_served_through_quantlinear(method, act_order, tmp_path: Path) -> None:
-    """The quantized checkpoint through the reference path equals the float checkpoint of its
-    dequantized weights (fp32 logits within 1e-4), and the kernel path agrees on the greedy
-    tokens of a teacher-forced text."""
+def _checkpoints(tmp_path: Path, method: str, act_order: bool) -> tuple[Path, Path]:
+    """A random Llama (tests/model/test_quant_fidelity.py's) quantized by _quantize_linear and
+    packed in `method`'s layout (qdir), and the float checkpoint of its dequantized weights (ddir)."""
     from safetensors.torch import load_file, save_file
 
-    from flatserve.model import quant
-    from tests.model.test_quant_fidelity import _ckpt, _fidelity, _llm, _logits_pair
+    from tests.model.test_quant_fidelity import _ckpt
 
     src = _ckpt(tmp_path)
     sd = load_file(str(src / "model.safetensors"))
@@ -139,6 +136,18 @@ def test_checkpoint_served_through_quantlinear(method, act_order, tmp_path: Path
                                   "desc_act": act_order, "version": "gemm", "zero_point": True}
     (qdir / "config.json").write_text(json.dumps(cfg))
 
+    return qdir, ddir
+
+
+@pytest.mark.parametrize("method,act_order", [("gptq", True), ("awq", False)])
+def test_checkpoint_served_through_quantlinear(method, act_order, tmp_path: Path) -> None:
+    """The quantized checkpoint through the reference path equals the float checkpoint of its
+    dequantized weights (fp32 logits within 1e-4), and the kernel path agrees on the greedy
+    tokens of a teacher-forced text."""
+    from flatserve.model import quant
+    from tests.model.test_quant_fidelity import _fidelity, _llm, _logits_pair
+
+    qdir, ddir = _checkpoints(tmp_path, method, act_order)
     ids = [random.Random(3).randrange(4, 512) for _ in range(256)]
     llm_q = _llm(str(qdir))
     model = llm_q.engine.runner.model
@@ -152,3 +161,29 @@ def test_checkpoint_served_through_quantlinear(method, act_order, tmp_path: Path
     assert err < 1e-4, err
     agree, kl = _fidelity(_llm(str(qdir)), ids)
     assert agree >= 0.98 and kl <= 0.01, (agree, kl)
+
+
+def test_tensor_parallel_keeps_the_blocks(tmp_path: Path) -> None:
+    """TP=2 on the CPU (gloo): each rank cuts its q4_g rows and columns from the checkpoint's
+    blocks (flatserve/distributed/quant_shards.py), so its tokens equal TP=1's but where TP=1's
+    top two are within 1e-3, and a rank holds about half the blocks. Act-order (desc_act) stores
+    o's and down's columns permuted, which do not split by rank: refused with that reason."""
+    from flatserve import LLM, SamplingParams
+    from tests.distributed.test_tensor_parallel import ENGINE, _margin_where_they_part, _prompts
+
+    qdir, _ = _checkpoints(tmp_path, "awq", False)
+    prompts = _prompts(random.randrange(1 << 30), n=4)
+    runs = []
+    for tp in (1, 2):
+        with LLM(model=str(qdir), **{**ENGINE, "tensor_parallel_size": tp}) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+                max_tokens=16, temperature=0, ignore_eos=True, logprobs=2), use_tqdm=False)
+            runs.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
+                         {f: b for f, _, b in llm.engine.state.weight_formats}))
+    (one, bytes1), (two, bytes2) = runs
+    assert 0.4 * bytes1["q4_g"] < bytes2["q4_g"] < 0.6 * bytes1["q4_g"], (bytes1, bytes2)
+    for (a, lps), (b, _) in zip(one, two):
+        assert _margin_where_they_part(a, b, lps) < 1e-3, (a, b)
+    act, _ = _checkpoints(tmp_path / "act", "gptq", True)
+    with pytest.raises(Exception, match="act-order"):
+        LLM(model=str(act), **{**ENGINE, "tensor_parallel_size": 2})
