@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,10 +138,8 @@ class VocabParallelEmbedding(_VocabRows, Embedding):  # no init on meta
         self.group, self.vocab, self.start = group, vocab, group.rank * n
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start  # [T]
-        outside = (local < 0) | (local >= self.num_embeddings)
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
-        return self.group.all_reduce(h.masked_fill_(outside[:, None], 0))
+        return _vocab_rows(ids, self.start, self.num_embeddings, self.group,
+                           lambda local: F.embedding(local, self.weight))
 
     def around_table(self, table: nn.Module, dtype: torch.dtype) -> nn.Module:
         """This embedding reading `table`'s rows (the tied head quantized: --quantization)."""
@@ -190,11 +189,20 @@ class QuantVocabEmbedding(nn.Module):
         self.table.load_quant(shard, raw, fmt)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.table.out_features)
-        h = self.table.dequant_rows(local.masked_fill(outside, 0))
-        h = h if self.dtype is None else h.to(self.dtype)
-        return self.group.all_reduce(h.masked_fill_(outside[:, None], 0))
+        def rows(local: torch.Tensor) -> torch.Tensor:
+            h = self.table.dequant_rows(local)
+            return h if self.dtype is None else h.to(self.dtype)
+
+        return _vocab_rows(ids, self.start, self.table.out_features, self.group, rows)
+
+
+def _vocab_rows(ids: torch.Tensor, start: int, n: int, group: TPGroup, lookup: Any) -> torch.Tensor:
+    """[T] ids -> [T, H]: this rank's rows [start, start + n) looked up, ids outside give 0, summed
+    over the ranks (each id is inside exactly one rank's rows)."""
+    local = ids - start
+    outside = (local < 0) | (local >= n)
+    h = lookup(local.masked_fill(outside, 0))  # [T, H]
+    return group.all_reduce(h.masked_fill_(outside[:, None], 0))
 
 
 def _column(old: nn.Module, parts: dict[str, tuple[int, int]]) -> nn.Module:

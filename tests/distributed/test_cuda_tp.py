@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flatserve import LLM, SamplingParams
+from tests.distributed.test_tensor_parallel import _margin_where_they_part
 from tests.model.test_parity import _assert_greedy_equal
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -95,7 +96,4 @@ def test_tp2_q4_0_graphs_equal_tp1_q4_0(tiny_checkpoint) -> None:
                 max_tokens=24, temperature=0, ignore_eos=True, logprobs=2), use_tqdm=False)
             runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     for (a, lps), (b, _) in zip(*runs):
-        if a != b:
-            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            top = sorted((lp.logprob for lp in lps[k].values()), reverse=True)
-            assert top[0] - top[1] < 1e-3, f"diverged at output {k}, TP=1 margin {top[0] - top[1]:.2e}"
+        assert _margin_where_they_part(a, b, lps) < 1e-3, (a, b)

@@ -56,6 +56,15 @@ def test_tp2_greedy_equals_tp1_and_transformers(tiny_checkpoint) -> None:
         _assert_greedy_equal(hf, p, b, _hf_greedy(hf, p, 24))
 
 
+def _margin_where_they_part(ref: list[int], ours: list[int], ref_logprobs: list) -> float:
+    """0 where equal, else the reference's top-2 logprob gap at the first differing output."""
+    if ref == ours:
+        return 0.0
+    k = next(i for i, (x, y) in enumerate(zip(ref, ours)) if x != y)
+    top = sorted((lp.logprob for lp in ref_logprobs[k].values()), reverse=True)
+    return top[0] - top[1]
+
+
 @pytest.mark.parametrize("family,quant", [("llama", "q4_0"), ("qwen2", "q8_0")])
 def test_tp2_quantized_equals_tp1_quantized(tmp_path, family: str, quant: str) -> None:
     """--quantization under TP=2: each rank quantizes its shard (a block of 32 never straddles
@@ -80,24 +89,12 @@ def test_tp2_quantized_equals_tp1_quantized(tmp_path, family: str, quant: str) -
     assert 0.4 * bytes1[quant] < bytes2[quant] < 0.6 * bytes1[quant], (bytes1, bytes2)
     for a, b, lps in zip(one, two, logprobs):
         assert len(b) == 16
-        if a != b:
-            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            top = sorted((lp.logprob for lp in lps[k].values()), reverse=True)
-            assert top[0] - top[1] < 1e-3, f"diverged at output {k}, TP=1 margin {top[0] - top[1]:.2e}"
+        assert _margin_where_they_part(a, b, lps) < 1e-3, (a, b)
 
 
 _GGUF_MIX = {"q_proj.weight": "q4_0", "k_proj.weight": "q5_0", "v_proj.weight": "q8_0",
              "o_proj.weight": "q4_0", "gate_proj.weight": "q5_0", "up_proj.weight": "q4_0",
              "down_proj.weight": "q8_0", "embed_tokens.weight": "q8_0"}
-
-
-def _margin_where_they_part(ref: list[int], ours: list[int], ref_logprobs: list) -> float:
-    """0 where equal, else the reference's top-2 logprob gap at the first differing output."""
-    if ref == ours:
-        return 0.0
-    k = next(i for i, (x, y) in enumerate(zip(ref, ours)) if x != y)
-    top = sorted((lp.logprob for lp in ref_logprobs[k].values()), reverse=True)
-    return top[0] - top[1]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
