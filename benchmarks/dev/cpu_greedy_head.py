@@ -77,8 +77,8 @@ def main() -> None:
         return bits_report(h, head.plain_weight(), [int(b) for b in a.bits.split(",")])
     if a.gguf:
         n, k = head.out_features, head.in_features
-        print(f"{h.shape[0]} hidden rows; head {n} x {k}; Q8_0 reads {head.weight_bytes() / 1e6:.0f} MB, "
-              f"4-bit copy {greedy.nbytes / 1e6:.0f} MB")
+        print(f"{h.shape[0]} hidden rows; head {n} x {k}; Q8_0 reads {head.weight_bytes() / 1e6:.0f} MB; "
+              f"{type(greedy).__name__} keeps {greedy.nbytes / 1e6:.1f} MB more")
     else:
         n, k = greedy.qweight.shape
         print(f"{h.shape[0]} hidden rows; head {n} x {k}; bf16 reads {n * k * 2 / 1e6:.0f} MB, "
@@ -99,7 +99,10 @@ def main() -> None:
             full_t.append(t1 - t0)
             int8_t.append(t2 - t1)
             t3 = time.perf_counter()
-            if a.gguf:
+            if a.gguf and hasattr(greedy, "sums"):  # the int8 pass (avx512 build)
+                _, cnt = greedy_q4_ext().greedy_q8_argmax(x, head.qweight0, greedy.sums, greedy.norms)
+                off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+            elif a.gguf:
                 _, cnt = greedy_q4_ext().greedy_q4_argmax(x, greedy.copy, head.qweight0, greedy.wmax)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
             else:

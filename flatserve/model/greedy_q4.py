@@ -101,12 +101,17 @@ class Q4GreedyHead(nn.Module):
         return kernels.row_argmax(self.head(x))
 
 
-def for_model(model: nn.Module, mcfg: object) -> Q4GreedyHead | None:
-    """The bounded 4-bit greedy head where its argmax is the model's: an eligible Q8_0 LM head
+def for_model(model: nn.Module, mcfg: object) -> nn.Module | None:
+    """The bounded greedy head where its argmax is the model's: the 4-bit copy (AVX2 build) or
+    the int8 pass (avx512 build, model/greedy_q8.py) for an eligible Q8_0 LM head
     whose logits are used as they are (no softcap, no logits scaling: either rounds in the
     model's dtype after the head, which can merge logits into ties the head did not have);
     else None. engine/startup.py's _greedy_head is the caller (next to the 7-bit bf16 head)."""
     head = getattr(model, "lm_head", None)
     if getattr(mcfg, "final_logit_softcap", None) is not None or getattr(mcfg, "logits_scaling", 1.0) != 1.0:
         return None
-    return Q4GreedyHead(head) if eligible(head) else None
+    if eligible(head):
+        return Q4GreedyHead(head)
+    from flatserve.model import greedy_q8
+
+    return greedy_q8.Q8GreedyHead(head) if greedy_q8.eligible(head) else None

@@ -147,7 +147,7 @@ def test_default_model_greedy_tokens_with_and_without_the_head(default_model_pat
               greedy_int8_head=False)
     runner = llm.engine.runner
     served = greedy_q4.for_model(runner.model, runner.cfg)  # the AVX2 build's choice only
-    assert (served is not None) == (quant.kernel().isa() == "avx2")
+    assert isinstance(served, Q4GreedyHead) == (quant.kernel().isa() == "avx2")
     head = Q4GreedyHead(runner.model.lm_head)  # the pass itself at this level
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

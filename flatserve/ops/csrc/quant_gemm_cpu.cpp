@@ -49,6 +49,7 @@
 #include "quant_rows.h"
 #include "quant_vnni.h"
 #include "greedy_q4.h"
+#include "greedy_q8.h"
 
 namespace greedy_q4 = flatserve::greedy_q4;
 
@@ -532,23 +533,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   return bias.numel() ? out + bias : out;
 }
 
-// The greedy head on a Q8_0 head (flatserve/csrc/greedy_q4.h, model/greedy_q4.py): x [M <= 16, K]
-// finite; copy [N, 18 nbp] the 4-bit copy (nbp: K / 32 rounded up to even); w8 [N, K / 32 * 34]
-// the head's Q8_0 rows; wmax >= every |w| of the head and of the copy -> (tokens [M], candidate
+// The greedy heads on a Q8_0 head: x [M <= 16, K] finite, w8 [N, K / 32 * 34] the head's Q8_0 rows;
+// `pass(ac, exact, parts)` fills each thread's Part (candidates and v) -> (tokens [M], candidate
 // rows per token [M]) int64. tokens[t] is row_argmax(head(x))[t]: each candidate row is scored
 // with the head's own dot and rounded to x's dtype as gemm stores it, the first maximum wins.
-std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& copy, const at::Tensor& w8,
-                                         double wmax) {
-  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0), nb = K / 32, nbp = (nb + 1) / 2 * 2;
+template <typename Pass>
+std::vector<at::Tensor> greedy_argmax(const at::Tensor& x, const at::Tensor& w8, const char* name, Pass&& pass) {
+  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0), nb = K / 32;
   TORCH_CHECK(x.dim() == 2 && M >= 1 && M <= greedy_q4::kMaxTokens && K % 32 == 0 && K <= 16384 &&
               w8.dim() == 2 && w8.scalar_type() == at::kByte && w8.is_contiguous() && w8.size(1) == nb * 34 &&
-              copy.dim() == 2 && copy.scalar_type() == at::kByte && copy.is_contiguous() &&
-              copy.size(0) == N && copy.size(1) == 18 * nbp && N >= 1,
-              "greedy_q4_argmax: x [M <= 16, K % 32 == 0], w8 [N, K / 32 * 34], copy [N, 18 nbp] uint8");
+              N >= 1, name, ": x [M <= 16, K % 32 == 0], w8 [N, K / 32 * 34] uint8");
   const std::vector<at::Tensor> acts = quantize_act(x.contiguous());
   const Acts ac{acts[0].data_ptr<int16_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<float>(), K};
-  greedy_q4::XPack xp;
-  greedy_q4::pack_x(ac.q, ac.d, M, K, wmax, xp);
   const uint8_t* w8p = w8.data_ptr<uint8_t>();
 #if defined(__AVX512BW__)  // gemm's Q8_0 path: rows16 (or the tiles, the same bits), or the AVX2 one
   bool q8_rows16 = (g_rows16_mask >> Q8_0) & 1;
@@ -572,12 +568,8 @@ std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& 
     if (dtype == at::kHalf) return static_cast<float>(static_cast<at::Half>(y));
     return y;
   };
-  const int64_t P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 64));
-  std::vector<greedy_q4::Part> parts(P);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      greedy_q4::rows(xp, copy.data_ptr<uint8_t>(), copy.size(1), N * p / P, N * (p + 1) / P, exact, parts[p]);
-  });
+  std::vector<greedy_q4::Part> parts(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 64)));
+  pass(ac, exact, parts);
   at::Tensor tokens = at::empty({M}, at::kLong), counts = at::empty({M}, at::kLong);
   at::parallel_for(0, M, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -596,6 +588,72 @@ std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& 
     }
   });
   return {tokens, counts};
+}
+
+// The 4-bit copy's pass (flatserve/csrc/greedy_q4.h, model/greedy_q4.py): copy [N, 18 nbp] (nbp:
+// K / 32 rounded up to even); wmax >= every |w| of the head and of the copy.
+std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& copy, const at::Tensor& w8,
+                                         double wmax) {
+  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0), nbp = (K / 32 + 1) / 2 * 2;
+  TORCH_CHECK(copy.dim() == 2 && copy.scalar_type() == at::kByte && copy.is_contiguous() &&
+              copy.size(0) == N && copy.size(1) == 18 * nbp, "greedy_q4_argmax: copy [N, 18 nbp] uint8");
+  return greedy_argmax(x, w8, "greedy_q4_argmax", [&](const Acts& ac, auto& exact, auto& parts) {
+    greedy_q4::XPack xp;
+    greedy_q4::pack_x(ac.q, ac.d, M, K, wmax, xp);
+    const int64_t P = static_cast<int64_t>(parts.size());
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        greedy_q4::rows(xp, copy.data_ptr<uint8_t>(), copy.size(1), N * p / P, N * (p + 1) / P, exact, parts[p]);
+    });
+  });
+}
+
+// The int8 pass on the head's own codes (flatserve/csrc/greedy_q8.h, model/greedy_q8.py): S [N, K
+// / 32] int16 and R [N] fp32 from greedy_q8_prep. Only where the build has AVX-512 VNNI.
+std::vector<at::Tensor> greedy_q8_argmax(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& S,
+                                         const at::Tensor& R) {
+#ifdef FLATSERVE_GREEDY_Q8
+  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0);
+  TORCH_CHECK(S.scalar_type() == at::kShort && S.is_contiguous() && S.dim() == 2 && S.size(0) == N &&
+              S.size(1) == K / 32 && R.scalar_type() == at::kFloat && R.is_contiguous() && R.numel() == N,
+              "greedy_q8_argmax: S [N, K / 32] int16, R [N] float32 (greedy_q8_prep)");
+  return greedy_argmax(x, w8, "greedy_q8_argmax", [&](const Acts& ac, auto& exact, auto& parts) {
+    flatserve::greedy_q8::XPack8 xp;
+    flatserve::greedy_q8::pack_x8(ac.q, ac.d, M, K, xp);
+    const int64_t P = static_cast<int64_t>(parts.size());
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        flatserve::greedy_q8::rows(xp, w8.data_ptr<uint8_t>(), w8.size(1), S.data_ptr<int16_t>(),
+                                   R.data_ptr<float>(), N * p / P, N * (p + 1) / P, exact, parts[p]);
+    });
+  });
+#else
+  TORCH_CHECK(false, "greedy_q8_argmax: this build has no AVX-512 VNNI");
+#endif
+}
+
+// Q8_0 rows [N, K / 32 * 34] -> (S [N, K / 32] int16, R [N] fp32): greedy_q8.h.
+std::vector<at::Tensor> greedy_q8_prep(const at::Tensor& w8, int64_t K) {
+  const int64_t N = w8.size(0), nb = K / 32;
+  TORCH_CHECK(w8.dim() == 2 && w8.scalar_type() == at::kByte && w8.is_contiguous() && K % 32 == 0 &&
+              w8.size(1) == nb * 34, "greedy_q8_prep: Q8_0 rows [N, K / 32 * 34]");
+  at::Tensor S = at::empty({N, nb}, w8.options().dtype(at::kShort)), R = at::empty({N}, w8.options().dtype(at::kFloat));
+#ifdef FLATSERVE_GREEDY_Q8
+  at::parallel_for(0, N, 4096, [&](int64_t n0, int64_t n1) {
+    flatserve::greedy_q8::prep_rows(w8.data_ptr<uint8_t>(), n0, n1, nb, S.data_ptr<int16_t>(), R.data_ptr<float>());
+  });
+#else
+  TORCH_CHECK(false, "greedy_q8_prep: this build has no AVX-512 VNNI");
+#endif
+  return {S, R};
+}
+
+bool has_greedy_q8() {
+#ifdef FLATSERVE_GREEDY_Q8
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Q8_0 rows [N, K / 32 * 34] -> (the 4-bit copy [N, 18 nbp] uint8, wmax): greedy_q4.h.
@@ -636,6 +694,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_q4_argmax", &greedy_q4_argmax,
         "row_argmax(x @ W^T) on a Q8_0 head, candidates from its 4-bit copy -> (tokens, candidates per token)");
   m.def("greedy_q4_copy", &greedy_q4_copy, "Q8_0 rows -> the greedy head's 4-bit copy, wmax");
+  m.def("greedy_q8_argmax", &greedy_q8_argmax,
+        "row_argmax(x @ W^T) on a Q8_0 head, candidates from its int8 pass -> (tokens, candidates per token)");
+  m.def("greedy_q8_prep", &greedy_q8_prep, "Q8_0 rows -> (block code sums int16, row L1 norms) for greedy_q8");
+  m.def("has_greedy_q8", &has_greedy_q8, "whether this build has the int8 greedy pass (AVX-512 VNNI)");
   m.def("isa", &isa, "the vector path compiled in");
   m.def("set_rows16_formats", &set_rows16_formats,
         "without AMX: the GGML types (a bit each) whose calls take rows16 (csrc/quant_rows.h)");

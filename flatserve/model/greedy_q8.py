@@ -1,0 +1,74 @@
+"""Exact greedy decoding on a Q8_0 LM head with int8 activations (CPU, AVX-512 VNNI; `greedy_int8_head`).
+
+Why: at 16 requests a decode step of the default GGUF on a 2-core Zen 4 spends ~20 ms of ~53 in
+the tied Q8_0 head (262k x 640; `benchmarks/dev/cpu_profile_step.py 16 --by-kernel --eager`),
+bound by arithmetic, not bytes: the head dots int16 activation codes, 32 products a `vpdpwssd`.
+For greedy rows only the argmax matters, so a candidate pass (flatserve/csrc/greedy_q8.h) dots
+the head's own int8 codes with x requantized to int8, 64 products a `vpdpbusd`, with a rigorous
+bound per row on how far that estimate is from the head's logit; the rows that could hold the
+argmax are rescored with the head's own dot, so the token is the one `row_argmax(head(x))`
+gives, ties to the first index included. int8 activations are what the issue's fidelity bar
+declined for logits (95.9% teacher-forced top-1); here they only choose which rows to rescore.
+
+Memory: no copy of the head; per row its L1 norm (4 bytes) and per block the sum of its codes
+(2 bytes): N x (4 + K / 16) bytes, 11.5 MB for Gemma 3 270M, counted as weights. Rows that need
+logits (sampling, penalties, logprobs) and calls outside MIN_ROWS..MAX_ROWS read the head.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatserve import kernels
+from flatserve.model import quant
+from flatserve.model.qformats import FORMATS
+
+MAX_ROWS = 16  # the pass's lanes: one token each
+# Fewer rows take the head: the pass costs the same at any row count (16 lanes), the head grows
+# with the rows. Default model, real hidden states, 2-core Zen 4, 2026-11-28
+# (`benchmarks/dev/cpu_greedy_head.py --gguf --rows 1,4,8,16 --reps 20`): head + argmax 5.0 / 11.0
+# / 19.8 / 20.5 ms at 1 / 4 / 8 / 16 rows against the pass's 10.2 at each (~60 candidates a token).
+MIN_ROWS = 4
+Q8_0 = FORMATS["q8_0"]
+
+
+def eligible(head: nn.Module) -> bool:
+    """A QuantLinear LM head of one Q8_0 segment, no bias, no act-order permutation, on the
+    avx512 build (Zen 4 class: VNNI, no AMX). The amx build keeps its tiles' head (AMX's goals
+    were met without it; the pass is not measured there); AVX2 takes greedy_q4's 4-bit copy."""
+    if not isinstance(head, quant.QuantLinear) or head.bias is not None or head.perm.numel():
+        return False
+    ext = quant.kernel()
+    return head.fmts == [Q8_0] and ext is not None and ext.isa() == "avx512" and ext.has_greedy_q8()
+
+
+class Q8GreedyHead(nn.Module):
+    """tokens = argmax over the vocabulary of `head(x)` for a Q8_0 QuantLinear head whose logits
+    the model uses as they are (no softcap, no scaling)."""
+
+    def __init__(self, head: quant.QuantLinear) -> None:
+        super().__init__()
+        assert head.fmts == [Q8_0] and head.bias is None and not head.perm.numel()
+        self.head = head
+        sums, norms = quant.kernel().greedy_q8_prep(head.qweight0, head.in_features)
+        self.register_buffer("sums", sums)    # [N, K / 32] int16: each block's code sum
+        self.register_buffer("norms", norms)  # [N] fp32: |W_n|_1, rounded up
+        self.calls = self.fallbacks = 0  # calls, and those the full head answered
+        self.last_counts = torch.empty(0, dtype=torch.int64)  # candidate rows per token, last call
+
+    @property
+    def nbytes(self) -> int:
+        return self.sums.numel() * 2 + self.norms.numel() * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
+        self.calls += 1
+        ext = quant.kernel()
+        if ext is None or not ext.has_greedy_q8() or not MIN_ROWS <= x.shape[0] <= MAX_ROWS \
+                or not bool(torch.isfinite(x).all()):
+            return self._full(x)  # NaN / inf: the bound means nothing there
+        tokens, self.last_counts = ext.greedy_q8_argmax(x.contiguous(), self.head.qweight0, self.sums, self.norms)
+        return tokens
+
+    def _full(self, x: torch.Tensor) -> torch.Tensor:
+        self.fallbacks += 1
+        return kernels.row_argmax(self.head(x))

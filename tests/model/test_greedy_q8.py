@@ -1,0 +1,160 @@
+"""The int8-activation greedy pass on a Q8_0 LM head (flatserve/model/greedy_q8.py), at the ISA
+levels whose build has it (AVX-512 VNNI: avx512, amx): its token is `row_argmax(head(x))` of the
+quantized head itself, bit for bit (ties to the first index included), on fresh random heads and
+inputs with outlier channels, exact ties, ties one code step apart and rows crowded within the
+bound; the per-row sums it keeps are the blocks' own; non-finite rows fall back to the head."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flatserve import kernels
+from flatserve.model import greedy_q4, greedy_q8, quant
+from flatserve.model.greedy_q8 import Q8GreedyHead
+from flatserve.model.qformats import FORMATS, dequantize, quantize
+from tests.conftest import require_kernel
+from tests.model.test_greedy_q4 import _head, _weights, _x
+
+Q8_0 = FORMATS["q8_0"]
+
+
+def _ext() -> object:
+    ext = require_kernel(quant._ext)
+    if not ext.has_greedy_q8():
+        pytest.skip(f"the {ext.isa()} build has no AVX-512 VNNI, where the int8 pass lives")
+    return ext
+
+
+@pytest.mark.parametrize("k", [640, 96])
+def test_sums_and_norms_are_the_blocks(k: int, tile_isa: str) -> None:
+    ext = _ext()
+    n = 300
+    q8 = quantize(_weights(n, k), Q8_0)
+    sums, norms = ext.greedy_q8_prep(q8, k)
+    codes = q8.view(n, k // 32, 34)[:, :, 2:].contiguous().view(torch.int8).long()
+    assert torch.equal(sums.long(), codes.sum(-1))
+    l1 = dequantize(q8, Q8_0, k).double().abs().sum(1)
+    assert (norms.double() >= l1).all() and (norms.double() <= l1 * (1 + 2**-18)).all()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_tokens_equal_the_quantized_head_argmax(rows: int, tile_isa: str, monkeypatch) -> None:
+    _ext()
+    monkeypatch.setattr(greedy_q8, "MIN_ROWS", 1)  # the kernel's whole range, not the served one
+    n, k = 8 * random.randint(300, 900) + random.randint(0, 7), random.choice([640, 96])
+    w = _weights(n, k)
+    a, b = sorted(random.sample(range(n), 2))
+    w[b] = torch.randn(k) * 0.1
+    w[a] = w[b]  # an exact tie: the first index must win
+    head = _head(w)
+    greedy = Q8GreedyHead(head)
+    x = _x(rows, k)
+    x[0] = w[b] * 40
+    for dtype in (torch.bfloat16, torch.float32):
+        xd = x.to(dtype)
+        ref = kernels.row_argmax(head(xd))
+        if dtype == torch.float32:
+            assert ref[0].item() == a
+        assert torch.equal(greedy(xd), ref), dtype
+    assert greedy.fallbacks == 0 and (greedy.last_counts >= 1).all()
+    assert (greedy.last_counts < n // 4).all(), greedy.last_counts  # the pass does prune
+
+
+def test_rows_crowded_within_the_bound(tile_isa: str) -> None:
+    """Copies of the winning row with one code moved a step, and rows a small random step away:
+    logits closer than the int8 pass can tell, so the exact rescoring decides; the first
+    maximum must win."""
+    _ext()
+    n, k = 8 * 300, 640
+    w = _weights(n, k)
+    q8 = quantize(w, Q8_0)
+    win = random.randrange(n)
+    for i, row in enumerate(random.sample([r for r in range(n) if r != win], 24)):
+        q8[row] = q8[win]
+        if i % 3:  # a third stay exact ties
+            j = 34 * (i % 20) + 2 + i % 32
+            code = q8[row, j].view(torch.int8)
+            q8[row, j] = (code + (1 if code < 127 else -1)).view(torch.uint8)
+    head = quant.QuantLinear(k, {"": (n, Q8_0)})
+    head.load_quant("", q8, Q8_0)
+    greedy = Q8GreedyHead(head)
+    wq = dequantize(q8, Q8_0, k)
+    x = (wq[win] * 25)[None].repeat(16, 1)
+    x[1:] += torch.randn(15, k) * torch.linspace(0.01, 2.0, 15)[:, None]
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(greedy(x.to(dtype)), kernels.row_argmax(head(x.to(dtype))))
+    # row 0 is 25 x the winning row: it and its 24 copies are all within the pass's bound
+    assert greedy.fallbacks == 0 and greedy.last_counts[0] >= 25
+
+
+def test_a_crowd_the_int8_estimate_misorders(tile_isa: str, monkeypatch) -> None:
+    """Small winning logits (~1, so the tie margin is ~0.02) with x's outlier channels at 40x:
+    the int8 codes of x err by up to ~0.16 a value there, so the estimates of 64 rows a code step
+    or two from the winner misorder them. Only the bound (not the tie margin) keeps the true
+    maximum among the rescored rows: with it set to zero this fails."""
+    _ext()
+    monkeypatch.setattr(greedy_q8, "MIN_ROWS", 1)
+    n, k = 8 * 300, 640
+    w = torch.randn(n, k) * 0.001
+    win = torch.randn(k) * 0.1
+    crowd = random.sample(range(n), 64)
+    w[crowd] = win + torch.randn(64, k) * 0.002
+    head = _head(w)
+    greedy = Q8GreedyHead(head)
+    wq = dequantize(quantize(w, Q8_0), Q8_0, k)
+    x = _x(16, k)
+    u = wq[crowd[0]] / wq[crowd[0]].dot(wq[crowd[0]])
+    x = x - (x @ wq[crowd[0]])[:, None] * u + u  # logit 1 for crowd[0], ~1 +- 0.2 for the rest
+    ref = kernels.row_argmax(head(x))
+    assert set(ref.tolist()) <= set(crowd)
+    assert torch.equal(greedy(x), ref)
+    assert greedy.fallbacks == 0
+
+
+def test_non_finite_rows_and_calls_out_of_range_take_the_head(tile_isa: str) -> None:
+    _ext()
+    head = _head(_weights(8 * 50, 640))
+    greedy = Q8GreedyHead(head)
+    x = _x(greedy_q8.MAX_ROWS + 1, 640).bfloat16()
+    assert torch.equal(greedy(x), kernels.row_argmax(head(x)))
+    assert torch.equal(greedy(x[:greedy_q8.MIN_ROWS - 1]), kernels.row_argmax(head(x[:greedy_q8.MIN_ROWS - 1])))
+    x[1, 3] = float("inf")
+    assert torch.equal(greedy(x[:8]), kernels.row_argmax(head(x[:8])))
+    assert greedy.fallbacks == 3
+
+
+def test_served_on_the_avx512_build_only(cpu_isa: str) -> None:
+    """for_model's choice by level: the int8 pass at avx512, the 4-bit copy at avx2, else none."""
+    head = _head(_weights(64, 640))
+    model = torch.nn.Module()
+    model.lm_head = head
+    got = greedy_q4.for_model(model, object())
+    isa = quant.kernel().isa() if quant.kernel() is not None else "none"
+    assert type(got).__name__ == {"avx512": "Q8GreedyHead", "avx2": "Q4GreedyHead"}.get(isa, "NoneType")
+
+
+def test_default_model_greedy_tokens_with_and_without_the_pass(default_model_path, monkeypatch) -> None:
+    """The default GGUF (tied Q8_0 head): greedy generation through the int8 pass gives the full
+    head's tokens, one request and five at once."""
+    from flatserve import LLM, SamplingParams
+
+    if not (quant.kernel() is not None and quant.kernel().has_greedy_q8()):
+        pytest.skip("this CPU's build has no AVX-512 VNNI, where the int8 pass lives")
+    monkeypatch.setattr(greedy_q8, "MIN_ROWS", 1)
+    llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
+              greedy_int8_head=False)
+    runner = llm.engine.runner
+    head = Q8GreedyHead(runner.model.lm_head)
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,", "Dear Sir,"]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for batch in ([prompts[0]], prompts):
+        ref = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
+        runner.greedy_head = head
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
+        finally:
+            runner.greedy_head = None
+        assert got == ref
+    assert head.calls >= 12 and head.fallbacks == 0
