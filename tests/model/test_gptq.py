@@ -95,14 +95,16 @@ def _quantize_linear(w: torch.Tensor, group: int, g_idx: torch.Tensor, method: s
     return q, z, s
 
 
-def _checkpoints(tmp_path: Path, method: str, act_order: bool) -> tuple[Path, Path]:
-    """A random Llama (tests/model/test_quant_fidelity.py's) quantized by _quantize_linear and
-    packed in `method`'s layout (qdir), and the float checkpoint of its dequantized weights (ddir)."""
+def _checkpoints(tmp_path: Path, method: str, act_order: bool, family: str = "") -> tuple[Path, Path]:
+    """A random Llama (tests/model/test_quant_fidelity.py's), or conftest's tiny `family`,
+    quantized by _quantize_linear and packed in `method`'s layout (qdir), and the float
+    checkpoint of its dequantized weights (ddir)."""
     from safetensors.torch import load_file, save_file
 
+    from tests.conftest import build_checkpoint
     from tests.model.test_quant_fidelity import _ckpt
 
-    src = _ckpt(tmp_path)
+    src = build_checkpoint(family, tmp_path)[0] if family else _ckpt(tmp_path)
     sd = load_file(str(src / "model.safetensors"))
     qdir, ddir = tmp_path / "q", tmp_path / "d"
     for d in (qdir, ddir):
@@ -139,20 +141,23 @@ def _checkpoints(tmp_path: Path, method: str, act_order: bool) -> tuple[Path, Pa
     return qdir, ddir
 
 
-@pytest.mark.parametrize("method,act_order", [("gptq", True), ("awq", False)])
-def test_checkpoint_served_through_quantlinear(method, act_order, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method,act_order,family", [("gptq", True, ""), ("awq", False, ""), ("gptq", False, "qwen2")])
+def test_checkpoint_served_through_quantlinear(method, act_order, family, tmp_path: Path) -> None:
     """The quantized checkpoint through the reference path equals the float checkpoint of its
     dequantized weights (fp32 logits within 1e-4), and the kernel path agrees on the greedy
-    tokens of a teacher-forced text."""
+    tokens of a teacher-forced text. qwen2: random q|k|v biases beside the blocks (as
+    Qwen2.5-GPTQ checkpoints carry), loaded into the fused QuantLinear's rows."""
     from flatserve.model import quant
     from tests.model.test_quant_fidelity import _fidelity, _llm, _logits_pair
 
-    qdir, ddir = _checkpoints(tmp_path, method, act_order)
+    qdir, ddir = _checkpoints(tmp_path, method, act_order, family)
     ids = [random.Random(3).randrange(4, 512) for _ in range(256)]
     llm_q = _llm(str(qdir))
     model = llm_q.engine.runner.model
     assert set(quant.summary(model)) == {"q4_g", "dense"}  # the tied head stays float
     assert any(m.perm.numel() for m in model.modules() if isinstance(m, quant.QuantLinear)) == act_order
+    if family:  # the biases sit on the fused q|k|v QuantLinear
+        assert any(m.bias is not None for m in model.modules() if isinstance(m, quant.QuantLinear))
     ref_rows = [r for _, r in _logits_pair(llm_q, ids)]
     del llm_q
     llm_d = _llm(str(ddir))
