@@ -1,7 +1,8 @@
 """The default model's LM head (dequantized to bf16) for greedy rows: bf16 head + argmax vs the
 bounded 7-bit greedy head, on the AMX or the AVX2 kernel (whichever the CPU runs). `--gguf`: the
-GGUF's own Q8_0 head (kept quantized) + argmax vs the bounded 4-bit greedy head
-(flatserve/model/greedy_q4.py).
+GGUF's own Q8_0 head (kept quantized) + argmax vs the bounded greedy head the build serves: the
+int8 pass on the head's codes at the avx512 level (flatserve/model/greedy_q8.py), else the 4-bit
+copy (flatserve/model/greedy_q4.py).
 
     .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30] [--gguf]
     .venv/bin/python benchmarks/dev/cpu_greedy_head.py --bits 7,6,5 [--random-prompts]

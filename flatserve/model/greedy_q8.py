@@ -66,7 +66,8 @@ class Q8GreedyHead(nn.Module):
         if ext is None or not ext.has_greedy_q8() or not MIN_ROWS <= x.shape[0] <= MAX_ROWS \
                 or not bool(torch.isfinite(x).all()):
             return self._full(x)  # NaN / inf: the bound means nothing there
-        tokens, self.last_counts = ext.greedy_q8_argmax(x.contiguous(), self.head.qweight0, self.sums, self.norms)
+        w8 = self.head.qweight0
+        tokens, self.last_counts = ext.greedy_q8_argmax(x.contiguous(), w8, self.sums, self.norms)
         return tokens
 
     def _full(self, x: torch.Tensor) -> torch.Tensor:

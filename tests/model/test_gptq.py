@@ -141,7 +141,8 @@ def _checkpoints(tmp_path: Path, method: str, act_order: bool, family: str = "")
     return qdir, ddir
 
 
-@pytest.mark.parametrize("method,act_order,family", [("gptq", True, ""), ("awq", False, ""), ("gptq", False, "qwen2")])
+@pytest.mark.parametrize("method,act_order,family",
+                         [("gptq", True, ""), ("awq", False, ""), ("gptq", False, "qwen2")])
 def test_checkpoint_served_through_quantlinear(method, act_order, family, tmp_path: Path) -> None:
     """The quantized checkpoint through the reference path equals the float checkpoint of its
     dequantized weights (fp32 logits within 1e-4), and the kernel path agrees on the greedy
