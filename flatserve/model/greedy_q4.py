@@ -69,18 +69,31 @@ def eligible(head: nn.Module) -> bool:
     return head.fmts == [Q8_0] and ext is not None and ext.isa() == "avx2"
 
 
-class Q4GreedyHead(nn.Module):
-    """tokens = argmax over the vocabulary of `head(x)` for a Q8_0 QuantLinear head whose logits
-    the model uses as they are (no softcap, no scaling)."""
+class BoundedHead(nn.Module):
+    """What the bounded greedy heads of a Q8_0 QuantLinear head share (this one's 4-bit copy,
+    greedy_q8's int8 pass): tokens = argmax over the vocabulary of `head(x)`, for a head whose
+    logits the model uses as they are (no softcap, no scaling); the full head where the pass
+    does not run."""
 
     def __init__(self, head: quant.QuantLinear) -> None:
         super().__init__()
         assert head.fmts == [Q8_0] and head.bias is None and not head.perm.numel()
         self.head = head
-        copy, self.wmax = quantize_q4(head.qweight0, head.in_features)
-        self.register_buffer("copy", copy)
         self.calls = self.fallbacks = 0  # calls, and those the full head answered
         self.last_counts = torch.empty(0, dtype=torch.int64)  # candidate rows per token, last call
+
+    def _full(self, x: torch.Tensor) -> torch.Tensor:
+        self.fallbacks += 1
+        return kernels.row_argmax(self.head(x))
+
+
+class Q4GreedyHead(BoundedHead):
+    """The 4-bit copy's pass (AVX2 build)."""
+
+    def __init__(self, head: quant.QuantLinear) -> None:
+        super().__init__(head)
+        copy, self.wmax = quantize_q4(head.qweight0, head.in_features)
+        self.register_buffer("copy", copy)
 
     @property
     def nbytes(self) -> int:
@@ -96,22 +109,17 @@ class Q4GreedyHead(nn.Module):
         tokens, self.last_counts = ext.greedy_q4_argmax(x.contiguous(), self.copy, self.head.qweight0, self.wmax)
         return tokens
 
-    def _full(self, x: torch.Tensor) -> torch.Tensor:
-        self.fallbacks += 1
-        return kernels.row_argmax(self.head(x))
+
+def plain_logits(mcfg: object) -> bool:
+    """Whether the model uses the head's logits as they are: no softcap, no logits scaling (either
+    rounds in the model's dtype after the head, which can merge logits into ties the head did
+    not have), so the head's argmax is the model's."""
+    softcap = getattr(mcfg, "final_logit_softcap", None)
+    return softcap is None and getattr(mcfg, "logits_scaling", 1.0) == 1.0
 
 
-def for_model(model: nn.Module, mcfg: object) -> nn.Module | None:
-    """The bounded greedy head where its argmax is the model's: the 4-bit copy (AVX2 build) or
-    the int8 pass (avx512 build, model/greedy_q8.py) for an eligible Q8_0 LM head
-    whose logits are used as they are (no softcap, no logits scaling: either rounds in the
-    model's dtype after the head, which can merge logits into ties the head did not have);
-    else None. engine/startup.py's _greedy_head is the caller (next to the 7-bit bf16 head)."""
+def for_model(model: nn.Module, mcfg: object) -> Q4GreedyHead | None:
+    """The bounded 4-bit greedy head for an eligible Q8_0 LM head with plain logits, else None.
+    engine/startup.py's _greedy_head is the caller (next to greedy_q8's and the 7-bit bf16 head)."""
     head = getattr(model, "lm_head", None)
-    if getattr(mcfg, "final_logit_softcap", None) is not None or getattr(mcfg, "logits_scaling", 1.0) != 1.0:
-        return None
-    if eligible(head):
-        return Q4GreedyHead(head)
-    from flatserve.model import greedy_q8
-
-    return greedy_q8.Q8GreedyHead(head) if greedy_q8.eligible(head) else None
+    return Q4GreedyHead(head) if plain_logits(mcfg) and eligible(head) else None

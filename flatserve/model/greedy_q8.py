@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flatserve import kernels
 from flatserve.model import quant
+from flatserve.model.greedy_q4 import BoundedHead, plain_logits
 from flatserve.model.qformats import FORMATS
 
 MAX_ROWS = 16  # the pass's lanes: one token each
@@ -42,19 +42,14 @@ def eligible(head: nn.Module) -> bool:
     return head.fmts == [Q8_0] and ext is not None and ext.isa() == "avx512" and ext.has_greedy_q8()
 
 
-class Q8GreedyHead(nn.Module):
-    """tokens = argmax over the vocabulary of `head(x)` for a Q8_0 QuantLinear head whose logits
-    the model uses as they are (no softcap, no scaling)."""
+class Q8GreedyHead(BoundedHead):
+    """The int8 pass on the head's own codes (avx512 build)."""
 
     def __init__(self, head: quant.QuantLinear) -> None:
-        super().__init__()
-        assert head.fmts == [Q8_0] and head.bias is None and not head.perm.numel()
-        self.head = head
+        super().__init__(head)
         sums, norms = quant.kernel().greedy_q8_prep(head.qweight0, head.in_features)
         self.register_buffer("sums", sums)    # [N, K / 32] int16: each block's code sum
         self.register_buffer("norms", norms)  # [N] fp32: |W_n|_1, rounded up
-        self.calls = self.fallbacks = 0  # calls, and those the full head answered
-        self.last_counts = torch.empty(0, dtype=torch.int64)  # candidate rows per token, last call
 
     @property
     def nbytes(self) -> int:
@@ -70,6 +65,8 @@ class Q8GreedyHead(nn.Module):
         tokens, self.last_counts = ext.greedy_q8_argmax(x.contiguous(), w8, self.sums, self.norms)
         return tokens
 
-    def _full(self, x: torch.Tensor) -> torch.Tensor:
-        self.fallbacks += 1
-        return kernels.row_argmax(self.head(x))
+
+def for_model(model: nn.Module, mcfg: object) -> Q8GreedyHead | None:
+    """The int8 pass for an eligible Q8_0 LM head with plain logits (greedy_q4.plain_logits), else None."""
+    head = getattr(model, "lm_head", None)
+    return Q8GreedyHead(head) if plain_logits(mcfg) and eligible(head) else None

@@ -140,16 +140,25 @@ def test_only_a_plain_q8_0_head_on_the_avx2_build_is_eligible(cpu_isa: str, monk
 def test_default_model_greedy_tokens_with_and_without_the_head(default_model_path, monkeypatch) -> None:
     """The default GGUF (tied Q8_0 head): greedy generation through the bounded head gives the
     full head's tokens, one request and four at once (the kernel's range past MAX_ROWS)."""
-    from flatserve import LLM, SamplingParams
+    from flatserve import LLM
 
     monkeypatch.setattr(greedy_q4, "MAX_ROWS", 16)
     llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
               greedy_int8_head=False)
     runner = llm.engine.runner
     served = greedy_q4.for_model(runner.model, runner.cfg)  # the AVX2 build's choice only
-    assert isinstance(served, Q4GreedyHead) == (quant.kernel().isa() == "avx2")
+    assert (served is not None) == (quant.kernel().isa() == "avx2")
     head = Q4GreedyHead(runner.model.lm_head)  # the pass itself at this level
-    prompts = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
+    same_tokens_through(llm, head, ["The capital of France is", "def fib(n):", "Once upon a time",
+                                    "1, 2, 3, 5, 8,"])
+
+
+def same_tokens_through(llm: object, head: torch.nn.Module, prompts: list[str]) -> None:
+    """Greedy generation with `head` as the runner's greedy head gives the full head's tokens,
+    for the first prompt alone and for all of them at once; the head ran every step."""
+    from flatserve import SamplingParams
+
+    runner = llm.engine.runner
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for batch in ([prompts[0]], prompts):
         ref = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from flatserve import kernels
-from flatserve.model import greedy_q4, greedy_q8, quant
+from flatserve.model import greedy_q8, quant
 from flatserve.model.greedy_q8 import Q8GreedyHead
 from flatserve.model.qformats import FORMATS, dequantize, quantize
 from tests.conftest import require_kernel
-from tests.model.test_greedy_q4 import _head, _weights, _x
+from tests.model.test_greedy_q4 import _head, _weights, _x, same_tokens_through
 
 Q8_0 = FORMATS["q8_0"]
 
@@ -127,35 +127,30 @@ def test_non_finite_rows_and_calls_out_of_range_take_the_head(tile_isa: str) -> 
 
 
 def test_served_on_the_avx512_build_only(cpu_isa: str) -> None:
-    """for_model's choice by level: the int8 pass at avx512, the 4-bit copy at avx2, else none."""
-    head = _head(_weights(64, 640))
+    """The start-up's choice by level (engine/startup.py _greedy_head): the int8 pass at avx512,
+    the 4-bit copy at avx2, none at amx (its tiles' head) and portable."""
+    from flatserve.engine.startup import _greedy_head
+
     model = torch.nn.Module()
-    model.lm_head = head
-    got = greedy_q4.for_model(model, object())
+    model.lm_head = _head(_weights(64, 640))
+    got = _greedy_head(model, object(), "torch", None)
     isa = quant.kernel().isa() if quant.kernel() is not None else "none"
     assert type(got).__name__ == {"avx512": "Q8GreedyHead", "avx2": "Q4GreedyHead"}.get(isa, "NoneType")
+    assert _greedy_head(model, object(), "torch", False) is None  # --no-greedy-int8-head
 
 
 def test_default_model_greedy_tokens_with_and_without_the_pass(default_model_path, monkeypatch) -> None:
     """The default GGUF (tied Q8_0 head): greedy generation through the int8 pass gives the full
     head's tokens, one request and five at once."""
-    from flatserve import LLM, SamplingParams
+    from flatserve import LLM
 
     if not (quant.kernel() is not None and quant.kernel().has_greedy_q8()):
         pytest.skip("this CPU's build has no AVX-512 VNNI, where the int8 pass lives")
     monkeypatch.setattr(greedy_q8, "MIN_ROWS", 1)
     llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
               greedy_int8_head=False)
-    runner = llm.engine.runner
-    head = Q8GreedyHead(runner.model.lm_head)
-    prompts = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,", "Dear Sir,"]
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for batch in ([prompts[0]], prompts):
-        ref = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
-        runner.greedy_head = head
-        try:
-            got = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
-        finally:
-            runner.greedy_head = None
-        assert got == ref
-    assert head.calls >= 12 and head.fallbacks == 0
+    served = greedy_q8.for_model(llm.engine.runner.model, llm.engine.runner.cfg)
+    assert (served is not None) == (quant.kernel().isa() == "avx512")
+    same_tokens_through(llm, Q8GreedyHead(llm.engine.runner.model.lm_head),
+                        ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,",
+                         "Dear Sir,"])
