@@ -16,8 +16,8 @@
 //
 // vpdpbusd multiplies unsigned by signed bytes: the stored codes are the signed side (broadcast
 // from the block as stored), x goes as c + 128 and each block's sum 128 S_nb (S = sum_k q_nk, kept
-// as int16 per block, 2 bytes a block) starts the accumulator. Lanes are tokens, so a row's 16
-// logits need no horizontal sum. Candidates and the exact rescoring are greedy_q4.h's (v, the
+// as int16 per block, 2 bytes a block) starts the accumulator. Lanes are tokens (16 in zmm, or 8
+// in ymm for up to 8 tokens), so a row's logits need no horizontal sum. Candidates and the exact rescoring are greedy_q4.h's (v, the
 // tie margin, Part).
 #pragma once
 
@@ -43,16 +43,16 @@ using greedy_q4::Part;
 using greedy_q4::tie_margin;
 
 struct XPack8 {
-  int64_t M = 0, nb = 0;
-  std::vector<int32_t> xu;  // [nb][8][16]: token t's codes c + 128 of block b, values 4j..4j+3
-  std::vector<float> s;     // [nb][16]: s_b per token
-  float e[kMaxTokens] = {}; // E + slack per token, rounded up (B_n = R_n e)
+  int64_t M = 0, nb = 0, L = 16;  // L: lanes, 16 (zmm) or 8 (ymm, up to 8 tokens)
+  std::vector<int32_t> xu;  // [nb][8][L]: token t's codes c + 128 of block b, values 4j..4j+3
+  std::vector<float> s;     // [nb][L]: s_b per token
+  alignas(64) float e[kMaxTokens] = {};  // E + slack per token, rounded up (B_n = R_n e)
 };
 
 // q [M, K] the head's int16 codes (ACT_ORDER per block), d [M, K / 32] their scales -> XPack8.
-inline void pack_x8(const int16_t* q, const float* d, int64_t M, int64_t K, XPack8& x) {
-  x.M = M, x.nb = K / 32;
-  x.xu.assign(x.nb * 8 * 16, 0), x.s.assign(x.nb * 16, 1.f);
+inline void pack_x8(const int16_t* q, const float* d, int64_t M, int64_t K, int64_t L, XPack8& x) {
+  x.M = M, x.nb = K / 32, x.L = L;
+  x.xu.assign(x.nb * 8 * L, 0), x.s.assign(x.nb * L, 1.f);
   for (int64_t t = 0; t < M; ++t) {
     double err = 0.0, xmax = 0.0;
     for (int64_t b = 0; b < x.nb; ++b) {
@@ -68,8 +68,8 @@ inline void pack_x8(const int16_t* q, const float* d, int64_t M, int64_t K, XPac
         u[k] = static_cast<uint8_t>(c + 128);
         err = std::max(err, std::fabs(xr[k] - static_cast<double>(s) * c));
       }
-      for (int j = 0; j < 8; ++j) std::memcpy(&x.xu[(b * 8 + j) * 16 + t], u + 4 * j, 4);
-      x.s[b * 16 + t] = s;
+      for (int j = 0; j < 8; ++j) std::memcpy(&x.xu[(b * 8 + j) * L + t], u + 4 * j, 4);
+      x.s[b * L + t] = s;
       xmax = std::max(xmax, amax);
     }
     const double slack = (x.nb + 16) * 0x1p-22 * (xmax + err);
@@ -77,75 +77,115 @@ inline void pack_x8(const int16_t* q, const float* d, int64_t M, int64_t K, XPac
   }
 }
 
+// The pass's vector operations for L lanes. 8 lanes (ymm) for up to 8 tokens: Zen 4 runs two
+// 256-bit vpdpbusd a cycle against one 512-bit, so a call of <= 8 tokens takes half the time.
+template <int L> struct Lanes;
+template <> struct Lanes<16> {
+  using I = __m512i;
+  using F = __m512;
+  static I load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static I dp(I acc, I x, I w) { return _mm512_dpbusd_epi32(acc, x, w); }
+  static F fma(I acc, F s, F a) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F abs(F a) { return _mm512_abs_ps(a); }
+  static uint32_t gt(uint32_t m, F a, F b) { return _mm512_mask_cmp_ps_mask(m, a, b, _CMP_GT_OQ); }
+  static uint32_t ge(uint32_t m, F a, F b) { return _mm512_mask_cmp_ps_mask(m, a, b, _CMP_GE_OQ); }
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+};
+template <> struct Lanes<8> {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static I dp(I acc, I x, I w) { return _mm256_dpbusd_epi32(acc, x, w); }
+  static F fma(I acc, F s, F a) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), s, a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+  static uint32_t gt(uint32_t m, F a, F b) { return _mm256_mask_cmp_ps_mask(static_cast<__mmask8>(m), a, b, _CMP_GT_OQ); }
+  static uint32_t ge(uint32_t m, F a, F b) { return _mm256_mask_cmp_ps_mask(static_cast<__mmask8>(m), a, b, _CMP_GE_OQ); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+};
+
 // Rows n .. n + G of the head -> A (lanes: tokens). The G rows' blocks are one contiguous span
 // (G x 34 nb bytes); the next span is requested into L2 a few lines a block (Prefetch, as the
 // head's rows16: without it the 8 row streams a block apart wait on DRAM).
-template <int G>
-inline void dot_rows(const XPack8& x, const uint8_t* w, int64_t rb, const int16_t* S, int64_t n, __m512 A[G],
-                     qblocks::Prefetch& pf) {
-  for (int r = 0; r < G; ++r) A[r] = _mm512_setzero_ps();
+template <int G, int L>
+inline void dot_rows(const XPack8& x, const uint8_t* w, int64_t rb, const int16_t* S, int64_t n,
+                     typename Lanes<L>::F A[G], qblocks::Prefetch& pf) {
+  using V = Lanes<L>;
+  for (int r = 0; r < G; ++r) A[r] = V::set1(0.f);
   for (int64_t b = 0; b < x.nb; ++b) {
     pf.step();
-    __m512i xv[8];
-    for (int j = 0; j < 8; ++j) xv[j] = _mm512_loadu_si512(x.xu.data() + (b * 8 + j) * 16);
-    const __m512 s = _mm512_loadu_ps(x.s.data() + b * 16);
+    typename V::I xv[8];
+    for (int j = 0; j < 8; ++j) xv[j] = V::load(x.xu.data() + (b * 8 + j) * L);
+    const typename V::F s = V::load(x.s.data() + b * L);
     for (int r = 0; r < G; ++r) {
       const uint8_t* blk = w + (n + r) * rb + 34 * b;
-      __m512i acc = _mm512_set1_epi32(-128 * static_cast<int32_t>(S[(n + r) * x.nb + b]));
+      typename V::I acc = V::set1(-128 * static_cast<int32_t>(S[(n + r) * x.nb + b]));
       for (int j = 0; j < 8; ++j) {
         int32_t wq;
         std::memcpy(&wq, blk + 2 + 4 * j, 4);
-        acc = _mm512_dpbusd_epi32(acc, xv[j], _mm512_set1_epi32(wq));
+        acc = V::dp(acc, xv[j], V::set1(wq));
       }
       // |q . c| <= 32 127 127 < 2^24: the conversion is exact
-      A[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(s, _mm512_set1_ps(h2f(blk))), A[r]);
+      A[r] = V::fma(acc, V::mul(s, V::set1(h2f(blk))), A[r]);
     }
   }
 }
 
 // Rows n0..n1: as greedy_q4::rows (v from the rows whose A is the best so far, scored exactly by
 // `exact(n, t)`; every row whose U = A + B reaches v less the tie margin kept), G rows a step.
-template <typename Exact>
+template <int L, typename Exact>
 void rows(const XPack8& x, const uint8_t* w, int64_t rb, const int16_t* S, const float* R, int64_t n0, int64_t n1,
           Exact&& exact, Part& out) {
+  using V = Lanes<L>;
   constexpr int G = 8;
-  const __mmask16 live = static_cast<__mmask16>((1u << x.M) - 1);
-  const __m512 e = _mm512_loadu_ps(x.e), up = _mm512_set1_ps(1 + 0x1p-20f);
-  __m512 bestA = _mm512_set1_ps(-INFINITY), thr = bestA;
+  const uint32_t live = (1u << x.M) - 1;
+  const typename V::F e = V::mul(V::load(x.e), V::set1(1 + 0x1p-20f));
+  typename V::F bestA = V::set1(-INFINITY), thr = bestA;
   for (int t = 0; t < kMaxTokens; ++t) out.v[t] = -INFINITY;
   qblocks::Prefetch pf;
-  auto keep = [&](int64_t n, __m512 a) {
-    __mmask16 better = _mm512_mask_cmp_ps_mask(live, a, bestA, _CMP_GT_OQ);
+  auto keep = [&](int64_t n, typename V::F a) {
+    uint32_t better = V::gt(live, a, bestA);
     if (better) {
-      bestA = _mm512_max_ps(bestA, a);
-      alignas(64) float th[16];
+      bestA = V::max(bestA, a);
+      float th[L];
       for (; better; better &= better - 1) {
         const int t = __builtin_ctz(better);
         out.v[t] = std::max(out.v[t], exact(n, t));
       }
-      for (int t = 0; t < 16; ++t) th[t] = out.v[t] - tie_margin(out.v[t]);
-      thr = _mm512_load_ps(th);
+      for (int t = 0; t < L; ++t) th[t] = out.v[t] - tie_margin(out.v[t]);
+      thr = V::load(th);
     }
     // U rounded up: R e is rounded up already; the product and the sum round 2^-24 each
-    const __m512 u = _mm512_fmadd_ps(_mm512_set1_ps(R[n]), _mm512_mul_ps(e, up), a);
-    const __m512 uu = _mm512_fmadd_ps(_mm512_abs_ps(u), _mm512_set1_ps(0x1p-20f), u);
-    alignas(64) float uv[16];
-    _mm512_store_ps(uv, uu);
-    for (__mmask16 m = _mm512_mask_cmp_ps_mask(live, uu, thr, _CMP_GE_OQ); m; m &= m - 1) {
+    const typename V::F u = V::fmadd(V::set1(R[n]), e, a);
+    const typename V::F uu = V::fmadd(V::abs(u), V::set1(0x1p-20f), u);
+    float uv[L];
+    V::store(uv, uu);
+    for (uint32_t m = V::ge(live, uu, thr); m; m &= m - 1) {
       const int t = __builtin_ctz(m);
       out.cand[t].push_back({static_cast<int32_t>(n), uv[t]});
     }
   };
-  __m512 A[G];
+  typename V::F A[G];
   int64_t n = n0;
   for (; n + G <= n1; n += G) {
     pf.spread(w + std::min(n + G, n1) * rb, std::min<int64_t>(G, n1 - std::min(n + G, n1)) * rb, x.nb);
-    dot_rows<G>(x, w, rb, S, n, A, pf);
+    dot_rows<G, L>(x, w, rb, S, n, A, pf);
     for (int r = 0; r < G; ++r) keep(n + r, A[r]);
   }
   for (; n < n1; ++n) {
     pf.spread(w, 0, 1);
-    dot_rows<1>(x, w, rb, S, n, A, pf);
+    dot_rows<1, L>(x, w, rb, S, n, A, pf);
     keep(n, A[0]);
   }
 }

@@ -24,10 +24,11 @@ from flatserve.model.greedy_q4 import BoundedHead, plain_logits
 from flatserve.model.qformats import FORMATS
 
 MAX_ROWS = 16  # the pass's lanes: one token each
-# Fewer rows take the head: the pass costs the same at any row count (16 lanes), the head grows
-# with the rows. Default model, real hidden states, 2-core Zen 4, 2026-11-28
-# (`benchmarks/dev/cpu_greedy_head.py --gguf --rows 1,4,8,16 --reps 20`): head + argmax 5.0 / 11.0
-# / 19.8 / 20.5 ms at 1 / 4 / 8 / 16 rows against the pass's 10.2 at each (~60 candidates a token).
+# Fewer rows take the head: the pass costs about the same at any row count (8 lanes up to 8 rows,
+# else 16), the head grows with the rows. Default model, real hidden states, 2-core Zen 4,
+# 2026-11-28 (`benchmarks/dev/cpu_greedy_head.py --gguf --rows 1,2,3,4,8,9,16 --reps 20`): head +
+# argmax 6.7 / 7.6 / 9.0 / 11.5 / 19.8 / 19.7 / 20.6 ms against the pass's 9.2 / 8.9 / 8.8 / 8.7 /
+# 8.9 / 10.3 / 10.3 (~60 candidates a token).
 MIN_ROWS = 4
 Q8_0 = FORMATS["q8_0"]
 

@@ -89,7 +89,8 @@ def test_rows_crowded_within_the_bound(tile_isa: str) -> None:
     assert greedy.fallbacks == 0 and greedy.last_counts[0] >= 25
 
 
-def test_a_crowd_the_int8_estimate_misorders(tile_isa: str, monkeypatch) -> None:
+@pytest.mark.parametrize("rows", [5, 16])  # the pass's 8 lanes and 16
+def test_a_crowd_the_int8_estimate_misorders(rows: int, tile_isa: str, monkeypatch) -> None:
     """Small winning logits (~1, so the tie margin is ~0.02) with x's outlier channels at 40x:
     the int8 codes of x err by up to ~0.16 a value there, so the estimates of 64 rows a code step
     or two from the winner misorder them. Only the bound (not the tie margin) keeps the true
@@ -104,7 +105,7 @@ def test_a_crowd_the_int8_estimate_misorders(tile_isa: str, monkeypatch) -> None
     head = _head(w)
     greedy = Q8GreedyHead(head)
     wq = dequantize(quantize(w, Q8_0), Q8_0, k)
-    x = _x(16, k)
+    x = _x(rows, k)
     u = wq[crowd[0]] / wq[crowd[0]].dot(wq[crowd[0]])
     x = x - (x @ wq[crowd[0]])[:, None] * u + u  # logit 1 for crowd[0], ~1 +- 0.2 for the rest
     ref = kernels.row_argmax(head(x))

@@ -618,13 +618,20 @@ std::vector<at::Tensor> greedy_q8_argmax(const at::Tensor& x, const at::Tensor& 
               S.size(1) == K / 32 && R.scalar_type() == at::kFloat && R.is_contiguous() && R.numel() == N,
               "greedy_q8_argmax: S [N, K / 32] int16, R [N] float32 (greedy_q8_prep)");
   return greedy_argmax(x, w8, "greedy_q8_argmax", [&](const Acts& ac, auto& exact, auto& parts) {
-    flatserve::greedy_q8::XPack8 xp;
-    flatserve::greedy_q8::pack_x8(ac.q, ac.d, M, K, xp);
+    namespace g8 = flatserve::greedy_q8;
+    g8::XPack8 xp;
+    g8::pack_x8(ac.q, ac.d, M, K, M <= 8 ? 8 : 16, xp);  // a lane a token: ymm up to 8
     const int64_t P = static_cast<int64_t>(parts.size());
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        flatserve::greedy_q8::rows(xp, w8.data_ptr<uint8_t>(), w8.size(1), S.data_ptr<int16_t>(),
-                                   R.data_ptr<float>(), N * p / P, N * (p + 1) / P, exact, parts[p]);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = N * p / P, n1 = N * (p + 1) / P;
+        if (xp.L == 8)
+          g8::rows<8>(xp, w8.data_ptr<uint8_t>(), w8.size(1), S.data_ptr<int16_t>(), R.data_ptr<float>(), n0, n1,
+                      exact, parts[p]);
+        else
+          g8::rows<16>(xp, w8.data_ptr<uint8_t>(), w8.size(1), S.data_ptr<int16_t>(), R.data_ptr<float>(), n0, n1,
+                       exact, parts[p]);
+      }
     });
   });
 #else
