@@ -10,15 +10,15 @@
 // since sum_k |W_nk| |xr_k - s c_k| <= |W_n|_1 E. slack covers fp32 rounding of both dots: each
 // term of either rounds at most nb + 5 times and is at most sum_k |W_nk| (|xr_k| + E), so
 // (nb + 16) 2^-22 (xmax + E) covers the two (as greedy_q4.h's). One |W_n|_1 a row (R, 4 bytes),
-// not a bound per block: on the default model's real hidden states the per-row bound keeps ~240
-// rows a token and ~630 a 16-token union of 262k (an offline float64 check, 384 decode rows,
-// 2026-11-28), few enough that rescoring them is ~0.3% of the head's work.
+// not a bound per block: on the default model's real hidden states ~60 rows a token (max 112) of
+// 262k are rescored (benchmarks/dev/cpu_greedy_head.py --gguf, 2026-11-28), a negligible share of
+// the head's work.
 //
 // vpdpbusd multiplies unsigned by signed bytes: the stored codes are the signed side (broadcast
 // from the block as stored), x goes as c + 128 and each block's sum 128 S_nb (S = sum_k q_nk, kept
 // as int16 per block, 2 bytes a block) starts the accumulator. Lanes are tokens (16 in zmm, or 8
-// in ymm for up to 8 tokens), so a row's logits need no horizontal sum. Candidates and the exact rescoring are greedy_q4.h's (v, the
-// tie margin, Part).
+// in ymm for up to 8 tokens), so a row's logits need no horizontal sum. Candidates and the exact
+// rescoring are greedy_q4.h's (v, the tie margin, Part).
 #pragma once
 
 #include <algorithm>
@@ -77,8 +77,9 @@ inline void pack_x8(const int16_t* q, const float* d, int64_t M, int64_t K, int6
   }
 }
 
-// The pass's vector operations for L lanes. 8 lanes (ymm) for up to 8 tokens: Zen 4 runs two
-// 256-bit vpdpbusd a cycle against one 512-bit, so a call of <= 8 tokens takes half the time.
+// The pass's vector operations for L lanes. 8 lanes (ymm) for up to 8 tokens: Zen 4 issues two
+// 256-bit vpdpbusd a cycle against one 512-bit, but the rest of a block's work does not halve:
+// the default head at 4-8 rows took 8.7-8.9 ms against 16 lanes' 10.3 (cpu_greedy_head.py --gguf).
 template <int L> struct Lanes;
 template <> struct Lanes<16> {
   using I = __m512i;

@@ -7,8 +7,9 @@ For greedy rows only the argmax matters, so a candidate pass (flatserve/csrc/gre
 the head's own int8 codes with x requantized to int8, 64 products a `vpdpbusd`, with a rigorous
 bound per row on how far that estimate is from the head's logit; the rows that could hold the
 argmax are rescored with the head's own dot, so the token is the one `row_argmax(head(x))`
-gives, ties to the first index included. int8 activations are what the issue's fidelity bar
-declined for logits (95.9% teacher-forced top-1); here they only choose which rows to rescore.
+gives, ties to the first index included. int8 activations are what the fidelity bar declined
+for logits (95.9% teacher-forced top-1 against 99%, docs/models.md); here they only choose which
+rows to rescore.
 
 Memory: no copy of the head; per row its L1 norm (4 bytes) and per block the sum of its codes
 (2 bytes): N x (4 + K / 16) bytes, 11.5 MB for Gemma 3 270M, counted as weights. Rows that need
