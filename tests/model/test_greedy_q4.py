@@ -39,6 +39,25 @@ def _x(rows: int, k: int) -> torch.Tensor:
     return x
 
 
+def step_code(q8: torch.Tensor, row: int, j: int) -> None:
+    """Moves the Q8_0 code byte j of `row` one step (down at 127)."""
+    code = q8[row, j].view(torch.int8)
+    q8[row, j] = (code + (1 if code < 127 else -1)).view(torch.uint8)
+
+
+def head_of(q8: torch.Tensor, k: int) -> quant.QuantLinear:
+    head = quant.QuantLinear(k, {"": (q8.shape[0], Q8_0)})
+    head.load_quant("", q8, Q8_0)
+    return head
+
+
+def near_winner(w_win: torch.Tensor) -> torch.Tensor:
+    """16 tokens: 25 x the winning row, then plus noise of 0.01 to 2.0."""
+    x = (w_win * 25)[None].repeat(16, 1)
+    x[1:] += torch.randn(15, w_win.shape[0]) * torch.linspace(0.01, 2.0, 15)[:, None]
+    return x
+
+
 def _decode_copy(copy: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The copy back to (W4 [n, k] float64, d [n, nb] float64), from its documented layout."""
     nb = k // 32
@@ -99,15 +118,10 @@ def test_ties_one_code_step_apart(cpu_isa: str, monkeypatch) -> None:
     win = 700
     for i, row in enumerate([10, 300, 1500, 2500]):
         q8[row] = q8[win]
-        j = 2 + 34 * (i % 20) + 2 + i  # a code byte of block i % 20
-        code = q8[row, j].view(torch.int8)
-        q8[row, j] = (code + (1 if code < 127 else -1)).view(torch.uint8)
-    head = quant.QuantLinear(k, {"": (n, Q8_0)})
-    head.load_quant("", q8, Q8_0)
+        step_code(q8, row, 2 + 34 * (i % 20) + 2 + i)  # a code byte of block i % 20
+    head = head_of(q8, k)
     greedy = Q4GreedyHead(head)
-    wq = dequantize(q8, Q8_0, k)
-    x = (wq[win] * 25)[None].repeat(16, 1)
-    x[1:] += torch.randn(15, k) * torch.linspace(0.01, 2.0, 15)[:, None]
+    x = near_winner(dequantize(q8, Q8_0, k)[win])
     for dtype in (torch.bfloat16, torch.float32):
         ref = kernels.row_argmax(head(x.to(dtype)))
         assert torch.equal(greedy(x.to(dtype)), ref)

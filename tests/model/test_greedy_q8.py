@@ -15,7 +15,8 @@ from flatserve.model import greedy_q8, quant
 from flatserve.model.greedy_q8 import Q8GreedyHead
 from flatserve.model.qformats import FORMATS, dequantize, quantize
 from tests.conftest import require_kernel
-from tests.model.test_greedy_q4 import _head, _weights, _x, same_tokens_through
+from tests.model.test_greedy_q4 import (_head, _weights, _x, head_of, near_winner, same_tokens_through,
+                                        step_code)
 
 Q8_0 = FORMATS["q8_0"]
 
@@ -74,15 +75,10 @@ def test_rows_crowded_within_the_bound(tile_isa: str) -> None:
     for i, row in enumerate(random.sample([r for r in range(n) if r != win], 24)):
         q8[row] = q8[win]
         if i % 3:  # a third stay exact ties
-            j = 34 * (i % 20) + 2 + i % 32
-            code = q8[row, j].view(torch.int8)
-            q8[row, j] = (code + (1 if code < 127 else -1)).view(torch.uint8)
-    head = quant.QuantLinear(k, {"": (n, Q8_0)})
-    head.load_quant("", q8, Q8_0)
+            step_code(q8, row, 34 * (i % 20) + 2 + i % 32)
+    head = head_of(q8, k)
     greedy = Q8GreedyHead(head)
-    wq = dequantize(q8, Q8_0, k)
-    x = (wq[win] * 25)[None].repeat(16, 1)
-    x[1:] += torch.randn(15, k) * torch.linspace(0.01, 2.0, 15)[:, None]
+    x = near_winner(dequantize(q8, Q8_0, k)[win])
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(greedy(x.to(dtype)), kernels.row_argmax(head(x.to(dtype))))
     # row 0 is 25 x the winning row: it and its 24 copies are all within the pass's bound
