@@ -32,6 +32,7 @@ _MAGIC = 0x4B000000  # the bits of 2^23 (the kernel's nibble-to-float trick)
 ENABLED = True  # False: qgemm keeps the Triton GEMV (the benchmark's A/B)
 # The tensor-core kernel for the 4-rows-a-warp shapes ("0": the FMA kernel there, the A/B).
 MMA = os.environ.get("FLATSERVE_GEMV_MMA", "1") != "0"
+STEPS: int | None = None  # steps a load group: None by the one-wave rule (gemv), 2 or 4 forced (tests)
 _MMA_SMEM_MAX = 48 * 1024  # dynamic shared memory without an opt-in: 68 bytes a block of x
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 
@@ -59,8 +60,10 @@ class _Api:
             if ".alt." not in b:
                 ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
         self.nvrtc = ctypes.CDLL(path)
-        # device -> kernel -> CUfunction: 2 and 4 (rows a warp, FMA), "mma" (2 row pairs a warp)
-        self.funcs: dict[int, dict[int | str, ctypes.c_void_p]] = {}
+        # device -> (2 | 4 rows a warp (FMA) or "mma" (2 row pairs a warp), U steps a load
+        # group) -> CUfunction; and (device, kernel, shared bytes) -> resident CTAs an SM
+        self.funcs: dict[int, dict[tuple[int | str, int], ctypes.c_void_p]] = {}
+        self.fits: dict[tuple, int] = {}
 
     def check(self, rc: int, what: str) -> None:
         if rc:
@@ -116,7 +119,17 @@ class _Api:
         finally:
             self.nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
-    def load(self, index: int, cubin: bytes) -> dict[int | str, ctypes.c_void_p]:
+    def ctas_per_sm(self, index: int, key: tuple[int | str, int], smem: int) -> int:
+        """How many 128-thread CTAs of kernel `key` (with `smem` dynamic shared bytes) an SM holds."""
+        n = self.fits.get((index, key, smem))
+        if n is None:
+            c = ctypes.c_int()
+            self.check(self.cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(c), self.funcs[index][key], 128, ctypes.c_size_t(smem)), "cuOccupancy")
+            n = self.fits[(index, key, smem)] = c.value
+        return n
+
+    def load(self, index: int, cubin: bytes) -> dict[tuple[int | str, int], ctypes.c_void_p]:
         """The module into device `index`'s primary context (torch's), -> its kernels."""
         ctx = ctypes.c_void_p()
         self.check(self.cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
@@ -127,7 +140,8 @@ class _Api:
             self.check(self.cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         mod, funcs = ctypes.c_void_p(), {}
         self.check(self.cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
-        for key, name in ((2, "q4_gemv_r2"), (4, "q4_gemv_r4"), ("mma", "q4_mma_rp2")):
+        for key, name in (((2, 2), "q4_gemv_r2_u2"), ((2, 4), "q4_gemv_r2_u4"), ((4, 2), "q4_gemv_r4_u2"),
+                          (("mma", 2), "q4_mma_rp2_u2"), (("mma", 4), "q4_mma_rp2_u4")):
             f = ctypes.c_void_p()
             self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()),
                        "cuModuleGetFunction")
@@ -201,14 +215,24 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
         return False
     r = rows_per_warp(n, x.device)
     smem = 68 * (-(-nblk // 8) * 8)  # q4_mma_rp2's x table
-    kernel, smem = (funcs["mma"], smem) if r == 4 and MMA and smem <= _MMA_SMEM_MAX else (funcs[r], 0)
+    base, smem = ("mma", smem) if r == 4 and MMA and smem <= _MMA_SMEM_MAX else (r, 0)
+    grid = -(-n // (4 * r))  # 4 warps a CTA, r rows a warp (the mma kernel: 2 pairs, as r = 4)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    # 4 steps a load group where the grid still fits one wave at that kernel's occupancy, else 2
+    # (one H200, device us a call, the two against each other: q|k|v 6.8 / 8.2, o 7.1 / 5.6, down
+    # 18.7 / 15.5, gate|up 25.5 / 23.8: 4 steps' registers cost o and down a second wave)
+    deep = (base, 4)
+    if STEPS is not None:
+        key = (base, STEPS) if (base, STEPS) in funcs else (base, 2)
+    else:
+        key = deep if deep in funcs and grid <= _API.ctas_per_sm(index, deep, smem) * sms else (base, 2)
+    kernel = funcs[key]
     pdl = programmatic_launch(x.device)
     args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(codes.data_ptr()),
             ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
             ctypes.c_int(n), ctypes.c_int(nblk), ctypes.c_int(_MAGIC), ctypes.c_int(int(pdl))]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    grid = -(-n // (4 * r))  # 4 warps a CTA, r rows a warp (the mma kernel: 2 pairs, as r = 4)
     attr = _LaunchAttr(id=_PDL_ATTR, value=1)  # passed only with PDL
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(128, 1, 1),
                         smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=int(pdl))

@@ -62,13 +62,18 @@ def ready() -> None:
 
 
 # (N, K): tails of 2 (13, 1,000) and 4 rows a warp (from 40 x the SMs: 5,280 rows on an H100);
-# K of one block, of a tail step only (640: 20 blocks), of whole 32-block steps (14,336) and both
-# (4,192). From 4 rows a warp the tensor-core kernel runs (mma), or the FMA one where it is off.
+# K of one block, of a tail step only (640: 20 blocks), of whole load groups (14,336) and both
+# (4,192), and of an odd count of groups (1,536 and 2,560: 3 and 5 groups of 2 steps, then 1 or 2
+# groups of 4 and a tail), both loads' group sizes (`steps`: each 4-step kernel where it exists;
+# r4's FMA kernel has only 2). From 4 rows a warp the tensor-core kernel runs (mma), or the FMA
+# one where it is off.
+@pytest.mark.parametrize("steps", [2, 4])
 @pytest.mark.parametrize("mma", [True, False])
 @pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1000, 4192), (6151, 4096), (300, 14336),
-                                 (5400, 640), (5301, 4192)])
-def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, mma: bool) -> None:
+                                 (5400, 640), (5301, 4192), (777, 1536), (5350, 2560)])
+def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, mma: bool, steps: int) -> None:
     monkeypatch.setattr(cuda_gemv, "MMA", mma)
+    monkeypatch.setattr(cuda_gemv, "STEPS", steps)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     p, w = _weights(n, k, g)
     x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
@@ -79,6 +84,25 @@ def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, mma:
     via = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     quant_planar.qgemm(x, p, FMT, via)  # qgemm takes the same kernel at one row: the same bits
     assert torch.equal(via, out)
+
+
+@pytest.mark.parametrize("mma", [True, False])
+def test_both_load_group_sizes_give_the_same_bits(ready, monkeypatch, mma: bool) -> None:
+    """The two register buffers change when the loads issue, not the arithmetic or its order: 2
+    and 4 steps a group, and the one-wave rule's own pick, give the same bits."""
+    monkeypatch.setattr(cuda_gemv, "MMA", mma)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for n, k in ((4096, 4096), (5600, 1536), (96, 14336)):
+        p, _ = _weights(n, k, g)
+        codes, scales, nblk = quant_planar._views(p, FMT)
+        x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
+        outs = []
+        for steps in (2, 4, None):
+            monkeypatch.setattr(cuda_gemv, "STEPS", steps)
+            out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+            assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (n, k)
 
 
 def test_gemv_in_a_cuda_graph_replays_with_new_activations(ready) -> None:

@@ -12,8 +12,15 @@
 // words (nibble s of word w is value 4s + w), so x is one 16-byte load a lane (a warp reads 512
 // contiguous bytes) and the codes one 16-byte load a row (the block's 4 lanes load the same 16
 // bytes). Each nibble becomes q - 8 exactly by one LOP3 into the mantissa of 2^23 (2^19) and one
-// FADD, as quant_planar._field; products and sums are fp32 FMAs, as the Triton kernel's. U steps of
-// loads are issued before their FMAs; the lanes' sums meet in a shuffle tree at the end.
+// FADD, as quant_planar._field; products and sums are fp32 FMAs, as the Triton kernel's. The lanes'
+// sums meet in a shuffle tree at the end.
+//
+// Loads: groups of U steps, in two register buffers, so group g + 1's loads are in flight while
+// group g's FMAs run (`pipelined`). Before (e99cf1e) a warp issued a group's loads and then waited
+// for them: one DRAM round trip a group with nothing in flight during the FMAs, and Nsight
+// Compute put down's GEMV at 35% of DRAM throughput with no eligible warp half the cycles (H200,
+// raw docs/benchmarks/raw/gpu_h200_q4_0_gemv_pipelined/). U = 2 or 4 (cuda_gemv.py picks: 4
+// where the grid still fits one wave at its occupancy, else 2).
 //
 // Launched with programmatic dependent launch (pdl = 1, sm_90; flatserve/ops/pdl.py), a warp
 // issues its first step's weight loads, then waits for the kernel before it (griddepcontrol.wait)
@@ -101,6 +108,20 @@ __device__ __forceinline__ void load_weights(const T* const* cp, const u16* cons
   }
 }
 
+// Groups 0 .. full - 1 of U steps: run(k, buffer) for group k's first block, with that group's
+// loads (load(k, buffer)) issued one group ahead into the other buffer; group 0 is already in a.
+template <typename Buf, typename Load, typename Run>
+__device__ __forceinline__ void pipelined(int full, int stride, Buf& a, Buf& b, Load load, Run run) {
+  int g = 0;
+  for (; g + 1 < full; g += 2) {
+    load((g + 1) * stride, b);
+    run(g * stride, a);
+    if (g + 2 < full) load((g + 2) * stride, a);
+    run((g + 1) * stride, b);
+  }
+  if (g < full) run(g * stride, a);
+}
+
 // Each of n sums over the warp's 32 lanes (a shuffle tree; every lane ends with the totals).
 template <int n>
 __device__ __forceinline__ void warp_sums(float* v) {
@@ -142,25 +163,24 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
   // The first step's weights are loaded before the PDL wait: they arrive while the kernel
   // before ends. (Prefetching each warp's whole rows into L2 there instead made a Llama-3-8B
   // q4_0 forward slower on an H100: 3.25 against 3.08-3.15 ms without PDL.)
-  U4 cv[U][R];
-  u16 sv[U][R];
-  if (8 * U <= nblk) load_weights<R, U, 1>(cp, sp, 0, cv, sv);
+  struct Buf { U4 c[U][R]; u16 s[U][R]; } a, b;
+  const int full = nblk / (8 * U);
+  if (full) load_weights<R, U, 1>(cp, sp, 0, a.c, a.s);
   if (pdl) pdl_sync();  // every warp, the ones past N too: nothing below runs before the last kernel ends
   if (row0 >= N) return;  // a whole warp past the end: no CTA-wide barrier below
   const u16* xp = x + j * 32 + c * 8;
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  int kb = 0;
-  for (; kb + 8 * U <= nblk; kb += 8 * U) {
-    U4 xv[U];
+  pipelined(full, 8 * U, a, b, [&](int k, Buf& d) { load_weights<R, U, 1>(cp, sp, k, d.c, d.s); },
+            [&](int k, const Buf& d) {
+              U4 xv[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) xv[u] = ldg128(xp + (size_t)(kb + 8 * u) * 32);
-    if (kb) load_weights<R, U, 1>(cp, sp, kb, cv, sv);
+              for (int u = 0; u < U; ++u) xv[u] = ldg128(xp + (size_t)(k + 8 * u) * 32);
 #pragma unroll
-    for (int u = 0; u < U; ++u) step<R>(xv[u], cv[u], sv[u], acc, sh, m0, m1);
-  }
-  for (; kb < nblk; kb += 8) {
+              for (int u = 0; u < U; ++u) step<R>(xv[u], d.c[u], d.s[u], acc, sh, m0, m1);
+            });
+  for (int kb = full * 8 * U; kb < nblk; kb += 8) {
     const bool in = kb + j < nblk;
     const int b = in ? kb : nblk - 1 - j;  // this lane's block kb + j, or the row's last block
     U4 xv = {0u, 0u, 0u, 0u}, cv[R];
@@ -260,23 +280,22 @@ __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* _
     cp[r] = codes + (n * nblk + g) * 4 + t;
     sp[r] = scales + n * nblk + g;
   }
-  u32 w[U][2 * RP];
-  u16 sv[U][2 * RP];
-  if (8 * U <= nblk) load_weights<2 * RP, U, 4>(cp, sp, 0, w, sv);  // before the PDL wait, as gemv()
+  struct Buf { u32 w[U][2 * RP]; u16 s[U][2 * RP]; } a, b;
+  const int full = nblk / (8 * U);
+  if (full) load_weights<2 * RP, U, 4>(cp, sp, 0, a.w, a.s);  // before the PDL wait, as gemv()
   if (pdl) pdl_sync();
   stage_x(x, nblk, nb8, xs, corr);
   if (row >= N) return;  // after the CTA's barrier
   float acc[2 * RP];
 #pragma unroll
   for (int r = 0; r < 2 * RP; ++r) acc[r] = 0.f;
-  int kb = 0;
-  for (; kb + 8 * U <= nblk; kb += 8 * U) {
-    if (kb) load_weights<2 * RP, U, 4>(cp, sp, kb, w, sv);
+  pipelined(full, 8 * U, a, b, [&](int k, Buf& d) { load_weights<2 * RP, U, 4>(cp, sp, k, d.w, d.s); },
+            [&](int k, const Buf& d) {
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      mma_step<RP>(w[u], sv[u], xs[(kb + 8 * u + g) * 4 + t], corr[kb + 8 * u + g], acc, odd);
-  }
-  for (; kb < nblk; kb += 8) {  // single steps; a block past nblk reads the row's last block, x 0
+              for (int u = 0; u < U; ++u)
+                mma_step<RP>(d.w[u], d.s[u], xs[(k + 8 * u + g) * 4 + t], corr[k + 8 * u + g], acc, odd);
+            });
+  for (int kb = full * 8 * U; kb < nblk; kb += 8) {  // single steps; a block past nblk reads the row's last block, x 0
     const int b = min(kb + g, nblk - 1) - g;  // from this lane's block g
     u32 wt[2 * RP];
     u16 st[2 * RP];
@@ -295,17 +314,22 @@ __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* _
     if (lane == 0 && row + r < N) out[row + r] = f2bf(acc[r]);
 }
 
-// 4 warps a CTA; ptxas may use up to 255 registers (1 CTA an SM at the least): ~100-130 used.
-#define GEMV_KERNEL(R)                                                                               \
-  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R(                               \
+// 4 warps a CTA; ptxas may use up to 255 registers (1 CTA an SM at the least). sm_90 builds
+// (NVRTC 13, -Xptxas -v): r2_u2 112, r2_u4 168, r4_u2 192, mma_u2 125, mma_u4 147 registers.
+#define GEMV_KERNEL(R, U)                                                                            \
+  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u##U(                        \
       const u16* x, const U4* codes, const u16* scales, u16* out, int N, int nblk, int magic,      \
       int pdl) {                                                                                   \
-    gemv<R, 4>(x, codes, scales, out, N, nblk, magic, pdl);                                       \
+    gemv<R, U>(x, codes, scales, out, N, nblk, magic, pdl);                                       \
   }
-GEMV_KERNEL(2)
-GEMV_KERNEL(4)
+GEMV_KERNEL(2, 2)
+GEMV_KERNEL(2, 4)
+GEMV_KERNEL(4, 2)
 
-extern "C" __global__ void __launch_bounds__(128, 1) q4_mma_rp2(const u16* x, const u32* codes,
-    const u16* scales, u16* out, int N, int nblk, int magic, int pdl) {
-  mma_gemv<2, 4>(x, codes, scales, out, N, nblk, pdl);
-}
+#define MMA_KERNEL(U)                                                                                \
+  extern "C" __global__ void __launch_bounds__(128, 1) q4_mma_rp2_u##U(const u16* x,              \
+      const u32* codes, const u16* scales, u16* out, int N, int nblk, int magic, int pdl) {       \
+    mma_gemv<2, U>(x, codes, scales, out, N, nblk, pdl);                                           \
+  }
+MMA_KERNEL(2)
+MMA_KERNEL(4)
