@@ -1,8 +1,8 @@
 """The default model's LM head (dequantized to bf16) for greedy rows: bf16 head + argmax vs the
 bounded 7-bit greedy head, on the AMX or the AVX2 kernel (whichever the CPU runs). `--gguf`: the
-GGUF's own Q8_0 head (kept quantized) + argmax vs the bounded greedy head the build serves: the
-int8 pass on the head's codes at the avx512 level (flatserve/model/greedy_q8.py), else the 4-bit
-copy (flatserve/model/greedy_q4.py).
+GGUF's own Q8_0 head (kept quantized) + argmax vs the bounded greedy head the build serves: at the
+avx512 level (flatserve/model/greedy_q8.py) the rows-in-lanes 4-bit copy up to FEW_ROWS rows and
+the int8 pass on the head's codes above, else the 4-bit copy (flatserve/model/greedy_q4.py).
 
     .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30] [--gguf]
     .venv/bin/python benchmarks/dev/cpu_greedy_head.py --bits 7,6,5 [--random-prompts]
@@ -35,6 +35,7 @@ sys.path.insert(0, ".")
 def main() -> None:
     from benchmarks.common import make_prompts
     from flatserve import LLM, SamplingParams, kernels
+    from flatserve.model import greedy_q8
     from flatserve.model.quant import kernel as greedy_q4_ext
 
     ap = argparse.ArgumentParser()
@@ -100,7 +101,11 @@ def main() -> None:
             full_t.append(t1 - t0)
             int8_t.append(t2 - t1)
             t3 = time.perf_counter()
-            if a.gguf and hasattr(greedy, "sums"):  # the int8 pass (avx512 build)
+            if a.gguf and hasattr(greedy, "sums") and m <= greedy_q8.FEW_ROWS:  # the rows-in-lanes copy
+                _, cnt = greedy_q4_ext().greedy_q4t_argmax(x, head.qweight0, greedy.copy_codes, greedy.copy_scales,
+                                                           greedy.wmax)
+                off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+            elif a.gguf and hasattr(greedy, "sums"):  # the int8 pass (avx512 build)
                 _, cnt = greedy_q4_ext().greedy_q8_argmax(x, head.qweight0, greedy.sums, greedy.norms)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
             elif a.gguf:

@@ -211,9 +211,29 @@ inline void row_ab(const XPack& x, const uint8_t* row, float* d, float* A, float
 }
 #endif
 
+// One Q8_0 block (34 bytes at blk) -> its 4-bit codes c[32] (value order) and fp16 scale bits;
+// returns max |W| of the block. Exact in double: W = D q and d c are exact there, so the check
+// |W - d c| <= d / 2 is too. The copy's scale d = max |W| / 7 rounded up to fp16 (7 d >= max |W|).
+inline double quantize_block(const uint8_t* blk, uint16_t& bits, int c[32]) {
+  const double D = h2f(blk);
+  int qmax = 0;
+  for (int j = 0; j < 32; ++j) qmax = std::max(qmax, std::abs(static_cast<int>(static_cast<int8_t>(blk[2 + j]))));
+  const double amax = std::fabs(D) * qmax;
+  at::Half h(static_cast<float>(amax / 7));
+  std::memcpy(&bits, &h, 2);
+  if (static_cast<double>(static_cast<float>(h)) * 7 < amax) ++bits;  // round up: 7 d >= max |W|
+  const double d = h2f(reinterpret_cast<const uint8_t*>(&bits));
+  TORCH_CHECK(std::isfinite(d), "greedy_q4: a block scale overflows fp16");
+  for (int j = 0; j < 32; ++j) {
+    const double w = D * static_cast<int8_t>(blk[2 + j]);
+    c[j] = d > 0 ? std::clamp(static_cast<int>(std::nearbyint(w / d)), -7, 7) : 0;
+    TORCH_CHECK(std::fabs(w - d * c[j]) <= d / 2, "greedy_q4: a code errs over d / 2");
+  }
+  return amax;
+}
+
 // Q8_0 rows [N, nb * 34] -> the copy [N, 18 nbp] (greedy_q4.py's layout); returns max |W| (W4's
-// are at most that times 1 + 2^-10). Exact in double: W = D q and d c are exact there, so the
-// check |W - d c| <= d / 2 is too.
+// are at most that times 1 + 2^-10).
 inline double quantize_rows(const uint8_t* q8, int64_t n0, int64_t n1, int64_t nb, uint8_t* copy) {
   const int64_t nbp = (nb + 1) / 2 * 2;
   double wmax = 0.0;
@@ -222,26 +242,14 @@ inline double quantize_rows(const uint8_t* q8, int64_t n0, int64_t n1, int64_t n
     std::memset(row, 0x88, 16 * nbp);  // c = 0 (a padding block's codes)
     std::memset(row + 16 * nbp, 0, 2 * nbp);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = q8 + (n * nb + b) * 34;
-      const double D = h2f(blk);
-      int qmax = 0;
-      for (int j = 0; j < 32; ++j) qmax = std::max(qmax, std::abs(static_cast<int>(static_cast<int8_t>(blk[2 + j]))));
-      const double amax = std::fabs(D) * qmax;
-      at::Half h(static_cast<float>(amax / 7));
       uint16_t bits;
-      std::memcpy(&bits, &h, 2);
-      if (static_cast<double>(static_cast<float>(h)) * 7 < amax) ++bits;  // round up: 7 d >= max |W|
+      int c[32];
+      wmax = std::max(wmax, quantize_block(q8 + (n * nb + b) * 34, bits, c));
       std::memcpy(row + 16 * nbp + 2 * b, &bits, 2);
-      const double d = h2f(row + 16 * nbp + 2 * b);
-      TORCH_CHECK(std::isfinite(d), "greedy_q4: a block scale overflows fp16");
       for (int j = 0; j < 32; ++j) {
-        const double w = D * static_cast<int8_t>(blk[2 + j]);
-        const int c = d > 0 ? std::clamp(static_cast<int>(std::nearbyint(w / d)), -7, 7) : 0;
-        TORCH_CHECK(std::fabs(w - d * c) <= d / 2, "greedy_q4: a code errs over d / 2");
         uint8_t& byte = row[16 * (b & ~int64_t{1}) + j];
-        byte = b & 1 ? static_cast<uint8_t>((byte & 0x0F) | ((c + 8) << 4)) : static_cast<uint8_t>((byte & 0xF0) | (c + 8));
+        byte = b & 1 ? static_cast<uint8_t>((byte & 0x0F) | ((c[j] + 8) << 4)) : static_cast<uint8_t>((byte & 0xF0) | (c[j] + 8));
       }
-      wmax = std::max(wmax, amax);
     }
   }
   return wmax;

@@ -22,6 +22,14 @@ CPU_SEQS, CPU_TOKENS = 64, 2048  # measured right on CPUs (docs/performance-cpu.
 # within their spread; 2026-11-27); the default GGUF, same set-up: 0.89 vs 1.00-1.03 GiB, 47.3 /
 # 50.2 vs 52.6 / 49.6 tok/s, TTFT p50 5.1-5.3 vs 6.8-7.3 s. llama.cpp's prompt micro-batch is 512.
 CPU_TOKENS_EMULATED_BF16 = 512
+# AVX512-BF16 without AMX (AMD Zen 4): 1,024. There the served default GGUF keeps its greedy head's
+# 4-bit copy (model/greedy_q8.py, 94 MB), and a 2,048-token chunk's transients put the 16-stream
+# peak RSS at 0.95 GiB against llama-server's 0.83 (issue #30's bar: +10%). On a 2-core Zen 4,
+# 16 streams of 256 + 64 tokens (`benchmarks/vs_llamacpp_cpu.py`, 2026-11-28, one run each):
+# 2,048 -> 151.3 out tok/s, TTFT p50 2.46 s, 0.95 GiB; 1,024 -> 166.0, 2.08 s, 0.89 GiB; 512 ->
+# 170.7, 2.11 s, 0.88 GiB. Four 2,000-token prompts (fresh ids, best of 3): 1,006 / 987 prompt
+# tok/s at 2,048 against 992 / 885 at 1,024. With AMX (tiles) 2,048 stays: not re-measured.
+CPU_TOKENS_NO_AMX = 1024
 # (device memory at least, sequences, batched tokens): the GPU tiers. 60 GiB covers the
 # H100/H200/A100-80G class; 20 GiB the 24-48 GiB cards (L4, A10, RTX 4090, L40S).
 GPU_TIERS = ((60 * GiB, 512, 32768), (20 * GiB, 256, 16384), (0, 128, 8192))
@@ -40,13 +48,17 @@ class StepLimits:
 
 
 def size_limits(seqs: int | None, tokens: int | None, device_type: str, total_memory: int,
-                hidden: int, intermediate: int, elt: int, fast_bf16: bool = True) -> StepLimits:
+                hidden: int, intermediate: int, elt: int, fast_bf16: bool = True,
+                amx: bool = True) -> StepLimits:
     """The user's values where set; else by device: on a CPU without fast bf16 (`fast_bf16`
-    False) the smaller token budget; the GPU tier of `total_memory`, with the
+    False) the smallest token budget, with fast bf16 but no AMX tiles (`amx` False) a middle
+    one; the GPU tier of `total_memory`, with the
     token budget halved until one step's activations (~hidden x 6 + intermediate x 3 values a
     token: residual, norms, q/k/v/o, gate/up/act) fit ACTIVATION_SHARE of the memory."""
     if device_type == "cpu" and not fast_bf16:
         return _fill(seqs, tokens, CPU_SEQS, CPU_TOKENS_EMULATED_BF16, "CPU defaults, no native bf16")
+    if device_type == "cpu" and not amx:
+        return _fill(seqs, tokens, CPU_SEQS, CPU_TOKENS_NO_AMX, "CPU defaults, no AMX")
     if device_type != "cuda":
         why = "CPU defaults" if device_type == "cpu" else f"{device_type} defaults"
         return _fill(seqs, tokens, CPU_SEQS, CPU_TOKENS, why)

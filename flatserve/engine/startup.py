@@ -257,7 +257,8 @@ def _with_step_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device
     limits = size_limits(cfg.max_num_seqs, cfg.max_num_batched_tokens, device.type, total,
                          mcfg.hidden_size, mcfg.intermediate_size,
                          torch.empty((), dtype=dtype).element_size(),
-                         device.type != "cpu" or dev.cpu_has_fast_bf16())
+                         device.type != "cpu" or dev.cpu_has_fast_bf16(),
+                         device.type != "cpu" or dev.cpu_has_amx_bf16())
     log.info(limits.line())
     return dataclasses.replace(cfg, max_num_seqs=limits.max_num_seqs,
                                max_num_batched_tokens=limits.max_num_batched_tokens)

@@ -11,9 +11,16 @@ gives, ties to the first index included. int8 activations are what the fidelity 
 for logits (95.9% teacher-forced top-1 against 99%, docs/models.md); here they only choose which
 rows to rescore.
 
-Memory: no copy of the head; per row its L1 norm (4 bytes) and per block the sum of its codes
-(2 bytes): N x (4 + K / 16) bytes, 11.5 MB for Gemma 3 270M, counted as weights. Rows that need
-logits (sampling, penalties, logprobs) and calls outside MIN_ROWS..MAX_ROWS read the head.
+Calls of 1 to FEW_ROWS rows take a second pass instead (flatserve/csrc/greedy_q4t.h): greedy_q4.py's
+4-bit copy of the head (one fp16 scale per 32 weights, |w - w4| <= d / 2) laid out with 16 head
+rows in the vector lanes, dotted with x's own int16 codes (no requantization: the bound is the
+copy's error alone), so it reads 94 MB instead of 178 and needs no horizontal sums; ~3k rows a
+token are rescored on the head.
+
+Memory: per row its L1 norm (4 bytes) and per block the sum of its codes (2 bytes), N x (4 + K /
+16) bytes, 11.5 MB for Gemma 3 270M; the copy, N x K x 9 / 16 bytes, 94.4 MB; both counted as
+weights. Rows that need logits (sampling, penalties, logprobs) and calls of more than MAX_ROWS
+rows read the head.
 """
 from __future__ import annotations
 
@@ -24,13 +31,13 @@ from flatserve.model import quant
 from flatserve.model.greedy_q4 import BoundedHead, plain_logits
 from flatserve.model.qformats import FORMATS
 
-MAX_ROWS = 16  # the pass's lanes: one token each
-# Fewer rows take the head: the pass costs about the same at any row count (8 lanes up to 8 rows,
-# else 16), the head grows with the rows. Default model, real hidden states, 2-core Zen 4,
-# 2026-11-28 (`benchmarks/dev/cpu_greedy_head.py --gguf --rows 1,2,3,4,8,9,16 --reps 20`): head +
-# argmax 6.7 / 7.6 / 9.0 / 11.5 / 19.8 / 19.7 / 20.6 ms against the pass's 9.2 / 8.9 / 8.8 / 8.7 /
-# 8.9 / 10.3 / 10.3 (~60 candidates a token).
-MIN_ROWS = 4
+MAX_ROWS = 16  # the int8 pass's lanes: one token each
+# The int8 pass costs about the same at any row count (8 lanes up to 8 rows, else 16); the copy's
+# pass grows with the rows (each token's dots), as the head does. Default model, real hidden
+# states, 2-core Zen 4, 2026-11-28 (`benchmarks/dev/cpu_greedy_head.py --gguf --rows 1,2,3,4,6,8
+# --reps 20`): head + argmax 5.4 / 7.1 / 9.7 / 11.0 / 20.6 / 20.6 ms, the int8 pass 8.8 / 9.0 /
+# 9.9 / 9.2 / 11.9 / 9.2, the copy's pass 3.5 / 4.8 / 6.4 / 7.7 / 13.3 / 14.4.
+FEW_ROWS = 4  # up to this many rows: the copy's pass; above, the int8 pass
 Q8_0 = FORMATS["q8_0"]
 
 
@@ -49,22 +56,31 @@ class Q8GreedyHead(BoundedHead):
 
     def __init__(self, head: quant.QuantLinear) -> None:
         super().__init__(head)
-        sums, norms = quant.kernel().greedy_q8_prep(head.qweight0, head.in_features)
+        ext = quant.kernel()
+        sums, norms = ext.greedy_q8_prep(head.qweight0, head.in_features)
         self.register_buffer("sums", sums)    # [N, K / 32] int16: each block's code sum
         self.register_buffer("norms", norms)  # [N] fp32: |W_n|_1, rounded up
+        codes, scales, self.wmax = ext.greedy_q4t_copy(head.qweight0, head.in_features)
+        self.register_buffer("copy_codes", codes)    # [N / 16, K / 32 x 256] uint8 (greedy_q4t.h)
+        self.register_buffer("copy_scales", scales)  # [N / 16, K / 32 x 16] fp16 bits
+        self.wmax *= 1 + 2.0**-20
 
     @property
     def nbytes(self) -> int:
-        return self.sums.numel() * 2 + self.norms.numel() * 4
+        return self.sums.numel() * 2 + self.norms.numel() * 4 + self.copy_codes.numel() + self.copy_scales.numel() * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
         self.calls += 1
         ext = quant.kernel()
-        if ext is None or not ext.has_greedy_q8() or not MIN_ROWS <= x.shape[0] <= MAX_ROWS \
+        if ext is None or not ext.has_greedy_q8() or not 1 <= x.shape[0] <= MAX_ROWS \
                 or not bool(torch.isfinite(x).all()):
             return self._full(x)  # NaN / inf: the bound means nothing there
         w8 = self.head.qweight0
-        tokens, self.last_counts = ext.greedy_q8_argmax(x.contiguous(), w8, self.sums, self.norms)
+        if x.shape[0] <= FEW_ROWS:
+            tokens, self.last_counts = ext.greedy_q4t_argmax(x.contiguous(), w8, self.copy_codes, self.copy_scales,
+                                                             self.wmax)
+        else:
+            tokens, self.last_counts = ext.greedy_q8_argmax(x.contiguous(), w8, self.sums, self.norms)
         return tokens
 
 

@@ -1,8 +1,10 @@
-"""The int8-activation greedy pass on a Q8_0 LM head (flatserve/model/greedy_q8.py), at the ISA
-levels whose build has it (AVX-512 VNNI: avx512, amx): its token is `row_argmax(head(x))` of the
-quantized head itself, bit for bit (ties to the first index included), on fresh random heads and
-inputs with outlier channels, exact ties, ties one code step apart and rows crowded within the
-bound; the per-row sums it keeps are the blocks' own; non-finite rows fall back to the head."""
+"""The greedy passes on a Q8_0 LM head (flatserve/model/greedy_q8.py) at the ISA levels whose
+build has them (AVX-512 VNNI: avx512, amx): the int8-activation pass (greedy_q8.h) and the 4-bit
+copy with rows in the lanes (greedy_q4t.h), each forced over its kernel's whole row range (`PASSES`).
+A token is `row_argmax(head(x))` of the quantized head itself, bit for bit (ties to the first
+index included), on fresh random heads and inputs with outlier channels, exact ties, ties one
+code step apart and rows crowded within each bound; the per-row sums and the copy it keeps are
+the blocks' own; non-finite rows fall back to the head."""
 from __future__ import annotations
 
 import random
@@ -19,6 +21,8 @@ from tests.model.test_greedy_q4 import (_head, _weights, _x, head_of, near_winne
                                         step_code)
 
 Q8_0 = FORMATS["q8_0"]
+# FEW_ROWS that sends every call to one pass: 0 (the int8 pass at 1-16 rows) or the copy's 8 rows
+PASSES = {"int8": 0, "copy": 8}
 
 
 def _ext() -> object:
@@ -40,10 +44,11 @@ def test_sums_and_norms_are_the_blocks(k: int, tile_isa: str) -> None:
     assert (norms.double() >= l1).all() and (norms.double() <= l1 * (1 + 2**-18)).all()
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16])
-def test_tokens_equal_the_quantized_head_argmax(rows: int, tile_isa: str, monkeypatch) -> None:
+@pytest.mark.parametrize("pass_,rows", [("int8", 1), ("int8", 7), ("int8", 16), ("copy", 1), ("copy", 3),
+                                        ("copy", 8)])
+def test_tokens_equal_the_quantized_head_argmax(pass_: str, rows: int, tile_isa: str, monkeypatch) -> None:
     _ext()
-    monkeypatch.setattr(greedy_q8, "MIN_ROWS", 1)  # the kernel's whole range, not the served one
+    monkeypatch.setattr(greedy_q8, "FEW_ROWS", PASSES[pass_])  # the kernel's whole range, not the served one
     n, k = 8 * random.randint(300, 900) + random.randint(0, 7), random.choice([640, 96])
     w = _weights(n, k)
     a, b = sorted(random.sample(range(n), 2))
@@ -63,11 +68,13 @@ def test_tokens_equal_the_quantized_head_argmax(rows: int, tile_isa: str, monkey
     assert (greedy.last_counts < n // 4).all(), greedy.last_counts  # the pass does prune
 
 
-def test_rows_crowded_within_the_bound(tile_isa: str) -> None:
+@pytest.mark.parametrize("pass_", sorted(PASSES))
+def test_rows_crowded_within_the_bound(pass_: str, tile_isa: str, monkeypatch) -> None:
     """24 copies of the winning row, two thirds with one code moved a step, against 16 tokens
-    of 25 x the winner plus noise from 0 to 2: logits closer than the int8 pass can tell, so the
-    exact rescoring decides; the first maximum must win."""
+    (the copy: 8) of 25 x the winner plus noise from 0 to 2: logits closer than the pass can
+    tell, so the exact rescoring decides; the first maximum must win."""
     _ext()
+    monkeypatch.setattr(greedy_q8, "FEW_ROWS", PASSES[pass_])
     n, k = 8 * 300, 640
     w = _weights(n, k)
     q8 = quantize(w, Q8_0)
@@ -78,21 +85,23 @@ def test_rows_crowded_within_the_bound(tile_isa: str) -> None:
             step_code(q8, row, 34 * (i % 20) + 2 + i % 32)
     head = head_of(q8, k)
     greedy = Q8GreedyHead(head)
-    x = near_winner(dequantize(q8, Q8_0, k)[win])
+    x = near_winner(dequantize(q8, Q8_0, k)[win])[:16 if pass_ == "int8" else 8]
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(greedy(x.to(dtype)), kernels.row_argmax(head(x.to(dtype))))
     # row 0 is 25 x the winning row: it and its 24 copies are all within the pass's bound
     assert greedy.fallbacks == 0 and greedy.last_counts[0] >= 25
 
 
-@pytest.mark.parametrize("rows", [5, 16])  # the pass's 8 lanes and 16
-def test_a_crowd_the_int8_estimate_misorders(rows: int, tile_isa: str, monkeypatch) -> None:
+@pytest.mark.parametrize("pass_,rows", [("int8", 5), ("int8", 16), ("copy", 8)])
+def test_a_crowd_the_estimate_misorders(pass_: str, rows: int, tile_isa: str, monkeypatch) -> None:
     """Small winning logits (~1, so the tie margin is ~0.02) with x's outlier channels at 40x:
-    the int8 codes of x err by up to ~0.16 a value there, so the estimates of 64 rows a code step
-    or two from the winner misorder them. Only the bound (not the tie margin) keeps the true
-    maximum among the rescored rows: with it set to zero this fails."""
+    the int8 codes of x err by up to ~0.16 a value there, and the 4-bit copy's weights by up to
+    d / 2 (~0.02 here), so the estimates of 64 rows a code step or two from the winner misorder
+    them. Only the bound (not the tie margin) keeps the true maximum among the rescored rows:
+    with either pass's bound set to zero this fails (int8: the 8 and 16 lanes; copy: its 8 tokens
+    at once, then each alone, in 10 of 10 runs)."""
     _ext()
-    monkeypatch.setattr(greedy_q8, "MIN_ROWS", 1)
+    monkeypatch.setattr(greedy_q8, "FEW_ROWS", PASSES[pass_])
     n, k = 8 * 300, 640
     w = torch.randn(n, k) * 0.001
     win = torch.randn(k) * 0.1
@@ -107,6 +116,8 @@ def test_a_crowd_the_int8_estimate_misorders(rows: int, tile_isa: str, monkeypat
     ref = kernels.row_argmax(head(x))
     assert set(ref.tolist()) <= set(crowd)
     assert torch.equal(greedy(x), ref)
+    if pass_ == "copy":  # one token a call too: the one-stream case
+        assert all(torch.equal(greedy(x[i:i + 1]), ref[i:i + 1]) for i in range(rows))
     assert greedy.fallbacks == 0
 
 
@@ -116,11 +127,41 @@ def test_non_finite_rows_and_calls_out_of_range_take_the_head(tile_isa: str) -> 
     greedy = Q8GreedyHead(head)
     x = _x(greedy_q8.MAX_ROWS + 1, 640).bfloat16()
     assert torch.equal(greedy(x), kernels.row_argmax(head(x)))
-    few = x[:greedy_q8.MIN_ROWS - 1]
+    few = x[:greedy_q8.FEW_ROWS]  # the copy's pass, not the head
     assert torch.equal(greedy(few), kernels.row_argmax(head(few)))
+    assert greedy.fallbacks == 1
     x[1, 3] = float("inf")
-    assert torch.equal(greedy(x[:8]), kernels.row_argmax(head(x[:8])))
+    for rows in (2, 8):  # either pass
+        assert torch.equal(greedy(x[:rows]), kernels.row_argmax(head(x[:rows])))
     assert greedy.fallbacks == 3
+
+
+@pytest.mark.parametrize("k", [640, 96])
+def test_the_copy_is_greedy_q4s_codes_in_lanes(k: int, tile_isa: str) -> None:
+    """The rows-in-lanes copy holds greedy_q4.py's codes and scales (the same quantize_block):
+    each lane's nibbles, unpacked by the layout greedy_q4t.h states, equal the row-major copy's;
+    the rows past N (the last group's padding) have zero scales and zero codes."""
+    ext = _ext()
+    n = 16 * random.randint(3, 9) + random.randint(1, 15)
+    q8 = quantize(_weights(n, k), Q8_0)
+    codes, scales, wmax = ext.greedy_q4t_copy(q8, k)
+    ref, ref_wmax = ext.greedy_q4_copy(q8, k)
+    assert wmax == ref_wmax
+    nb, g = k // 32, -(-n // 16)
+    nbp = (nb + 1) // 2 * 2
+    # row-major copy: pair i of blocks in 32 bytes (block 2i low nibbles, 2i + 1 high), then fp16 scales
+    pairs = ref[:, :16 * nbp].reshape(n, nbp // 2, 32).long()
+    c_ref = torch.stack([pairs & 15, pairs >> 4], 2).reshape(n, nbp, 32)[:, :nb] - 8  # [n, nb, 32]
+    d_ref = ref[:, 16 * nbp:].contiguous().view(torch.int16).reshape(n, nbp)[:, :nb]
+    # lanes: [g][nb][vector j][lane r][byte]; bytes (u0|u2<<4, u4|u6<<4, u1|u3<<4, u5|u7<<4) of 8j..8j+7
+    by = codes.reshape(g, nb, 4, 16, 4).permute(0, 3, 1, 2, 4).reshape(16 * g, nb, 4, 4).long()
+    lo, hi = by & 15, by >> 4
+    order = torch.stack([lo[..., 0], lo[..., 2], hi[..., 0], hi[..., 2], lo[..., 1], lo[..., 3], hi[..., 1],
+                         hi[..., 3]], -1)  # values 8j + 0..7
+    c = order.reshape(16 * g, nb, 32) - 8
+    d = scales.reshape(g, nb, 16).permute(0, 2, 1).reshape(16 * g, nb)
+    assert torch.equal(c[:n], c_ref) and torch.equal(d[:n], d_ref)
+    assert (c[n:] == 0).all() and (d[n:] == 0).all()
 
 
 def test_served_on_the_avx512_build_only(cpu_isa: str) -> None:
@@ -136,14 +177,13 @@ def test_served_on_the_avx512_build_only(cpu_isa: str) -> None:
     assert _greedy_head(model, object(), "torch", False) is None  # --no-greedy-int8-head
 
 
-def test_default_model_greedy_tokens_with_and_without_the_pass(default_model_path, monkeypatch) -> None:
-    """The default GGUF (tied Q8_0 head): greedy generation through the int8 pass gives the full
-    head's tokens, one request and five at once."""
+def test_default_model_greedy_tokens_with_and_without_the_pass(default_model_path) -> None:
+    """The default GGUF (tied Q8_0 head): greedy generation through the passes as served (the
+    copy's for one request, the int8 pass for five at once) gives the full head's tokens."""
     from flatserve import LLM
 
     if not (quant.kernel() is not None and quant.kernel().has_greedy_q8()):
-        pytest.skip("this CPU's build has no AVX-512 VNNI, where the int8 pass lives")
-    monkeypatch.setattr(greedy_q8, "MIN_ROWS", 1)
+        pytest.skip("this CPU's build has no AVX-512 VNNI, where the passes live")
     llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
               greedy_int8_head=False)
     served = greedy_q8.for_model(llm.engine.runner.model, llm.engine.runner.cfg)

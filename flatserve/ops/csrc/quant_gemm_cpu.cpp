@@ -50,6 +50,7 @@
 #include "quant_vnni.h"
 #include "greedy_q4.h"
 #include "greedy_q8.h"
+#include "greedy_q4t.h"
 
 namespace greedy_q4 = flatserve::greedy_q4;
 
@@ -639,6 +640,60 @@ std::vector<at::Tensor> greedy_q8_argmax(const at::Tensor& x, const at::Tensor& 
 #endif
 }
 
+// The 4-bit copy with rows in the lanes (flatserve/csrc/greedy_q4t.h) for up to 8 tokens: codes
+// [G, nb * 256] uint8, scales [G, nb * 16] int16 (fp16 bits) from greedy_q4t_copy.
+std::vector<at::Tensor> greedy_q4t_argmax(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& codes,
+                                          const at::Tensor& scales, double wmax) {
+#ifdef FLATSERVE_GREEDY_Q4T
+  namespace gt = flatserve::greedy_q4t;
+  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0), nb = K / 32, G = (N + 15) / 16;
+  TORCH_CHECK(M >= 1 && M <= gt::kMaxRows, "greedy_q4t_argmax: 1 to ", gt::kMaxRows, " rows");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == G * nb * 256 &&
+              scales.scalar_type() == at::kShort && scales.is_contiguous() && scales.numel() == G * nb * 16,
+              "greedy_q4t_argmax: codes and scales as greedy_q4t_copy makes them");
+  return greedy_argmax(x, w8, "greedy_q4t_argmax", [&](const Acts& ac, auto& exact, auto& parts) {
+    gt::XPackT xp;
+    gt::pack_x(ac.q, ac.d, M, K, wmax, xp);
+    const int64_t P = static_cast<int64_t>(parts.size());
+    const uint8_t* cp = codes.data_ptr<uint8_t>();
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t g0 = G * p / P, g1 = G * (p + 1) / P;
+        switch (M) {
+#define Q4T_CASE(m) case m: gt::rows_t<m>(xp, cp, sp, ac.d, K, N, g0, g1, exact, parts[p]); break;
+          Q4T_CASE(1) Q4T_CASE(2) Q4T_CASE(3) Q4T_CASE(4) Q4T_CASE(5) Q4T_CASE(6) Q4T_CASE(7) Q4T_CASE(8)
+#undef Q4T_CASE
+        }
+      }
+    });
+  });
+#else
+  TORCH_CHECK(false, "greedy_q4t_argmax: this build has no AVX-512 VNNI");
+#endif
+}
+
+// Q8_0 rows [N, K / 32 * 34] -> (codes, scales, wmax) for greedy_q4t_argmax: greedy_q4t.h.
+std::tuple<at::Tensor, at::Tensor, double> greedy_q4t_copy(const at::Tensor& w8, int64_t K) {
+  const int64_t N = w8.size(0), nb = K / 32, G = (N + 15) / 16;
+  TORCH_CHECK(w8.dim() == 2 && w8.scalar_type() == at::kByte && w8.is_contiguous() && K % 32 == 0 &&
+              w8.size(1) == nb * 34, "greedy_q4t_copy: Q8_0 rows [N, K / 32 * 34]");
+  at::Tensor codes = at::empty({G, nb * 256}, w8.options()), scales = at::empty({G, nb * 16}, w8.options().dtype(at::kShort));
+  std::vector<double> wmax(G / 256 + 1, 0.0);
+#ifdef FLATSERVE_GREEDY_Q4T
+  at::parallel_for(0, G, 256, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      double& m = wmax[g / 256];
+      m = std::max(m, flatserve::greedy_q4t::build_group(w8.data_ptr<uint8_t>(), N, nb, g, codes.data_ptr<uint8_t>(),
+                                                          reinterpret_cast<uint16_t*>(scales.data_ptr<int16_t>())));
+    }
+  });
+#else
+  TORCH_CHECK(false, "greedy_q4t_copy: this build has no AVX-512 VNNI");
+#endif
+  return {codes, scales, *std::max_element(wmax.begin(), wmax.end())};
+}
+
 // Q8_0 rows [N, K / 32 * 34] -> (S [N, K / 32] int16, R [N] fp32): greedy_q8.h.
 std::vector<at::Tensor> greedy_q8_prep(const at::Tensor& w8, int64_t K) {
   const int64_t N = w8.size(0), nb = K / 32;
@@ -704,6 +759,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_q8_argmax", &greedy_q8_argmax,
         "row_argmax(x @ W^T) on a Q8_0 head, candidates from its int8 pass -> (tokens, candidates per token)");
   m.def("greedy_q8_prep", &greedy_q8_prep, "Q8_0 rows -> (block code sums int16, row L1 norms) for greedy_q8");
+  m.def("greedy_q4t_argmax", &greedy_q4t_argmax,
+        "x [M <= 8, K], Q8_0 head, its rows-in-lanes 4-bit copy -> (greedy tokens, candidate counts)");
+  m.def("greedy_q4t_copy", &greedy_q4t_copy, "Q8_0 rows -> (codes, scales, wmax) for greedy_q4t_argmax");
   m.def("has_greedy_q8", &has_greedy_q8, "whether this build has the int8 greedy pass (AVX-512 VNNI)");
   m.def("isa", &isa, "the vector path compiled in");
   m.def("set_rows16_formats", &set_rows16_formats,
