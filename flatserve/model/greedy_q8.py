@@ -67,7 +67,8 @@ class Q8GreedyHead(BoundedHead):
 
     @property
     def nbytes(self) -> int:
-        return self.sums.numel() * 2 + self.norms.numel() * 4 + self.copy_codes.numel() + self.copy_scales.numel() * 2
+        return (self.sums.numel() * 2 + self.norms.numel() * 4 + self.copy_codes.numel()
+                + self.copy_scales.numel() * 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
         self.calls += 1
@@ -77,8 +78,8 @@ class Q8GreedyHead(BoundedHead):
             return self._full(x)  # NaN / inf: the bound means nothing there
         w8 = self.head.qweight0
         if x.shape[0] <= FEW_ROWS:
-            tokens, self.last_counts = ext.greedy_q4t_argmax(x.contiguous(), w8, self.copy_codes, self.copy_scales,
-                                                             self.wmax)
+            tokens, self.last_counts = ext.greedy_q4t_argmax(x.contiguous(), w8, self.copy_codes,
+                                                             self.copy_scales, self.wmax)
         else:
             tokens, self.last_counts = ext.greedy_q8_argmax(x.contiguous(), w8, self.sums, self.norms)
         return tokens

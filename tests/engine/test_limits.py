@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from flatserve.engine.limits import (CPU_SEQS, CPU_TOKENS, CPU_TOKENS_EMULATED_BF16, CPU_TOKENS_NO_AMX, GPU_TIERS,
-                                     size_limits)
+from flatserve.engine.limits import (CPU_SEQS, CPU_TOKENS, CPU_TOKENS_EMULATED_BF16, CPU_TOKENS_NO_AMX,
+                                     GPU_TIERS, size_limits)
 from flatserve.memory import GiB
 
 
