@@ -101,9 +101,9 @@ def main() -> None:
             full_t.append(t1 - t0)
             int8_t.append(t2 - t1)
             t3 = time.perf_counter()
-            if a.gguf and hasattr(greedy, "sums") and m <= greedy_q8.FEW_ROWS:  # the rows-in-lanes copy
-                _, cnt = greedy_q4_ext().greedy_q4t_argmax(x, head.qweight0, greedy.copy_codes, greedy.copy_scales,
-                                                           greedy.wmax)
+            if a.gguf and hasattr(greedy, "sums") and m <= greedy_q8.FEW_ROWS:  # the copy, rows in lanes
+                _, cnt = greedy_q4_ext().greedy_q4t_argmax(x, head.qweight0, greedy.copy_codes,
+                                                           greedy.copy_scales, greedy.wmax)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
             elif a.gguf and hasattr(greedy, "sums"):  # the int8 pass (avx512 build)
                 _, cnt = greedy_q4_ext().greedy_q8_argmax(x, head.qweight0, greedy.sums, greedy.norms)
