@@ -153,8 +153,8 @@ std::tuple<at::Tensor, at::Tensor, double> greedy_q4t_copy(const at::Tensor& w8,
   std::vector<double> wmax(G / 256 + 1, 0.0);
 #ifdef FLATSERVE_GREEDY_Q4T
   at::parallel_for(0, G, 256, [&](int64_t g0, int64_t g1) {
+    double& m = wmax[g0 / 256];  // chunks start >= 256 groups apart: a slot each, no shared write
     for (int64_t g = g0; g < g1; ++g) {
-      double& m = wmax[g / 256];
       m = std::max(m, flatserve::greedy_q4t::build_group(w8.data_ptr<uint8_t>(), N, nb, g, codes.data_ptr<uint8_t>(),
                                                           reinterpret_cast<uint16_t*>(scales.data_ptr<int16_t>())));
     }

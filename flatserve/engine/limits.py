@@ -22,14 +22,16 @@ CPU_SEQS, CPU_TOKENS = 64, 2048  # measured right on CPUs (docs/performance-cpu.
 # within their spread; 2026-11-27); the default GGUF, same set-up: 0.89 vs 1.00-1.03 GiB, 47.3 /
 # 50.2 vs 52.6 / 49.6 tok/s, TTFT p50 5.1-5.3 vs 6.8-7.3 s. llama.cpp's prompt micro-batch is 512.
 CPU_TOKENS_EMULATED_BF16 = 512
-# AVX512-BF16 without AMX (AMD Zen 4): 1,024. There the served default GGUF keeps its greedy head's
-# 4-bit copy (model/greedy_q8.py, 94 MB), and a 2,048-token chunk's transients put the 16-stream
-# peak RSS at 0.95 GiB against llama-server's 0.83 (issue #30's bar: +10%). On a 2-core Zen 4,
-# 16 streams of 256 + 64 tokens (`benchmarks/vs_llamacpp_cpu.py`, 2026-11-28, one run each):
-# 2,048 -> 151.3 out tok/s, TTFT p50 2.46 s, 0.95 GiB; 1,024 -> 166.0, 2.08 s, 0.89 GiB; 512 ->
-# 170.7, 2.11 s, 0.88 GiB. Four 2,000-token prompts (fresh ids, best of 3): 1,006 / 987 prompt
-# tok/s at 2,048 against 992 / 885 at 1,024. With AMX (tiles) 2,048 stays: not re-measured.
-CPU_TOKENS_NO_AMX = 1024
+# AVX512-BF16 without AMX (AMD Zen 4): 512 as well. There the served default GGUF keeps its greedy
+# head's 4-bit copy (model/greedy_q8.py, 94 MB), and with 2,048-token chunks' transients the
+# 16-stream peak RSS read 0.95 GiB against llama-server's 0.83 (issue #30's bar: +10%). On a
+# 2-core Zen 4, 16 streams of 256 + 64 tokens (`benchmarks/vs_llamacpp_cpu.py`, 2026-11-28):
+# 2,048 -> 151.3 out tok/s, TTFT p50 2.46 s, 0.95 GiB (one run); 1,024 -> 154.5-183.8, 2.08-2.68
+# s, 0.886-0.906 GiB (four runs, the last 1.0996x llama-server's); 512 -> 170.7, 2.11 s, 0.876
+# GiB. Four 2,000-token prompts (fresh ids, best of 3, alternated): 1,006 / 987 prompt tok/s at
+# 2,048, 992 / 885 / 965 at 1,024, 1,004 / 1,014 at 512. With AMX (tiles) 2,048 stays: not
+# re-measured.
+CPU_TOKENS_NO_AMX = 512
 # (device memory at least, sequences, batched tokens): the GPU tiers. 60 GiB covers the
 # H100/H200/A100-80G class; 20 GiB the 24-48 GiB cards (L4, A10, RTX 4090, L40S).
 GPU_TIERS = ((60 * GiB, 512, 32768), (20 * GiB, 256, 16384), (0, 128, 8192))
