@@ -4,7 +4,7 @@ GGUF's own Q8_0 head (kept quantized) + argmax vs the bounded greedy head the bu
 avx512 level (flatserve/model/greedy_q8.py) the rows-in-lanes 4-bit copy up to FEW_ROWS rows and
 the int8 pass on the head's codes above, else the 4-bit copy (flatserve/model/greedy_q4.py).
 
-    .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30] [--gguf]
+    .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30] [--gguf [--few-rows 8]]
     .venv/bin/python benchmarks/dev/cpu_greedy_head.py --bits 7,6,5 [--random-prompts]
 
 Real hidden states: the final-norm outputs of the benchmark's 16 prompts (benchmarks/offline_cpu.py)
@@ -44,7 +44,13 @@ def main() -> None:
     ap.add_argument("--gguf", action="store_true", help="the quantized Q8_0 head and its 4-bit copy")
     ap.add_argument("--bits", default="", help="candidate counts of B-bit copies (no timing)")
     ap.add_argument("--random-prompts", action="store_true")
+    ap.add_argument("--few-rows", type=int, default=None,
+                    help="greedy_q8.FEW_ROWS for this run: the copy's pass up to that many rows (at most 8)")
     a = ap.parse_args()
+    if a.few_rows is not None:
+        from flatserve.model import greedy_q8 as g8
+
+        g8.FEW_ROWS = a.few_rows
     llm = LLM(kv_cache_memory=512 * 2**20, max_model_len=4096, dequantize=not a.gguf,
               greedy_int8_head=None if a.gguf else True)
     model = llm.engine.runner.model

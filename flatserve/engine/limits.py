@@ -54,8 +54,8 @@ def size_limits(seqs: int | None, tokens: int | None, device_type: str, total_me
                 hidden: int, intermediate: int, elt: int, fast_bf16: bool = True,
                 amx: bool = True) -> StepLimits:
     """The user's values where set; else by device: on a CPU without fast bf16 (`fast_bf16`
-    False) the smallest token budget, with fast bf16 but no AMX tiles (`amx` False) a middle
-    one; the GPU tier of `total_memory`, with the
+    False) or without AMX tiles (`amx` False) the smaller token budget (for the reasons above);
+    the GPU tier of `total_memory`, with the
     token budget halved until one step's activations (~hidden x 6 + intermediate x 3 values a
     token: residual, norms, q/k/v/o, gate/up/act) fit ACTIVATION_SHARE of the memory."""
     if device_type == "cpu" and not fast_bf16:

@@ -34,9 +34,10 @@ from flatserve.model.qformats import FORMATS
 MAX_ROWS = 16  # the int8 pass's lanes: one token each
 # The int8 pass costs about the same at any row count (8 lanes up to 8 rows, else 16); the copy's
 # pass grows with the rows (each token's dots), as the head does. Default model, real hidden
-# states, 2-core Zen 4, 2026-11-28 (`benchmarks/dev/cpu_greedy_head.py --gguf --rows 1,2,3,4,6,8
-# --reps 20`): head + argmax 5.4 / 7.1 / 9.7 / 11.0 / 20.6 / 20.6 ms, the int8 pass 8.8 / 9.0 /
-# 9.9 / 9.2 / 11.9 / 9.2, the copy's pass 3.5 / 4.8 / 6.4 / 7.7 / 13.3 / 14.4.
+# states, 2-core Zen 4, 2026-11-28 (`benchmarks/dev/cpu_greedy_head.py --gguf --rows
+# 1,2,3,4,5,6,8,16 --reps 20`, and `--rows 4,5,6,8 --few-rows 8` for the copy above 4 rows): head
+# + argmax 6.3 / 6.8 / 8.8 / 11.9 / 14.6 / 16.5 / 20.0 / 20.6 ms; the copy's pass 3.7 / 4.6 / 6.3 /
+# 7.7-7.8 / 9.3 / 10.3 / 12.9 (1-8 rows); the int8 pass 8.8 / 8.8 / 8.9 / 10.4 (5, 6, 8, 16 rows).
 FEW_ROWS = 4  # up to this many rows: the copy's pass; above, the int8 pass
 Q8_0 = FORMATS["q8_0"]
 
