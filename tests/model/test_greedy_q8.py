@@ -68,9 +68,9 @@ def test_tokens_equal_the_quantized_head_argmax(pass_: str, rows: int, tile_isa:
     counts = greedy.last_counts
     if pass_ == "int8":
         assert (counts < n // 4).all(), counts  # the pass does prune
-    else:  # the 4-bit copy's bound is looser: on these random heads one token in ~100 kept 27% of
-        # the rows, while a call's median was at most 2.5% (60 calls, 2026-11-28)
-        assert counts.median() < n // 20 and (counts < n // 2).all(), counts
+    else:  # the 4-bit copy's bound is looser: over 310 calls of this test's kind (2026-11-28) a
+        # token kept at most 27% of the rows and a call at most 8.9% on average
+        assert counts.float().mean() < n / 5 and (counts < n // 2).all(), counts
 
 
 @pytest.mark.parametrize("pass_", sorted(PASSES))
