@@ -85,8 +85,11 @@ def main() -> None:
         return bits_report(h, head.plain_weight(), [int(b) for b in a.bits.split(",")])
     if a.gguf:
         n, k = head.out_features, head.in_features
+        rate = read_rate()
         print(f"{h.shape[0]} hidden rows; head {n} x {k}; Q8_0 reads {head.weight_bytes() / 1e6:.0f} MB; "
-              f"{type(greedy).__name__} keeps {greedy.nbytes / 1e6:.1f} MB more")
+              f"{type(greedy).__name__} keeps {greedy.nbytes / 1e6:.1f} MB more; this CPU reads "
+              f"{rate / 1e9:.1f} GB/s ({torch.get_num_threads()} threads): the head's floor "
+              f"{head.weight_bytes() / rate * 1e3:.2f} ms")
     else:
         n, k = greedy.qweight.shape
         print(f"{h.shape[0]} hidden rows; head {n} x {k}; bf16 reads {n * k * 2 / 1e6:.0f} MB, "
@@ -125,6 +128,17 @@ def main() -> None:
         kt = statistics.median(kern_t) * 1e3
         print(f"| {m} | {f:.2f} | {g:.2f} | {f / g:.2f}x | {kt:.2f} | {statistics.median(counts):.0f} / "
               f"{max(counts)} |", flush=True)
+
+
+def read_rate() -> float:
+    """Bytes a second the process reads from memory: the best of 5 sums over 1 GiB of int64."""
+    a = torch.randint(0, 100, (1 << 27,), dtype=torch.int64)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 8 / best
 
 
 def bits_report(h: torch.Tensor, w: torch.Tensor, bits: list[int]) -> None:

@@ -2,9 +2,10 @@
 // greedy_q8.py says where it runs): greedy_q4.h's 4-bit copy of the head (the same codes c and
 // scales d: quantize_block), laid out with 16 head rows in the lanes, dotted with the head's own
 // int16 activation codes q (scale xd_b per 32 values: xr = xd q exactly). Why: at one token
-// greedy_q8.h's lanes are tokens, so 15 of 16 idle, and the head itself (rows16) takes 6.3 ms at
-// one row where the 2-core Zen 4 reads its 178 MB in ~3.9 ms (46 GB/s): arithmetic bounds it (by
-// our reading, sum16v's shuffle tree a block). The copy is 94 MB and needs no horizontal sum: a
+// greedy_q8.h's lanes are tokens, so 15 of 16 idle, and the head itself (rows16) takes 6.3-6.7 ms
+// at one row where the 2-core Zen 4 reads its 178 MB in ~3.7 ms (48 GB/s; benchmarks/dev/
+// cpu_greedy_head.py --gguf prints both): arithmetic bounds it (by our reading, sum16v's shuffle
+// tree a block). The copy is 94 MB and needs no horizontal sum: a
 // lane is a row from the first block to the last.
 //
 //   A_n = sum_b d_nb xd_b (u_nb . q_b - 8 sum q_b)      u = c + 8 (unsigned nibbles)
@@ -14,7 +15,7 @@
 // pack_x bound, which covers these terms, each at most wmax |xr|). x is not requantized: int8
 // codes (as greedy_q8.h's) add |W4_n|_1 E to the bound, and on the default model's hidden states
 // (outlier channels ~22x the mean) a version built that way kept ~13k candidate rows a token
-// against ~3k, and took 5.5 against 3.5 ms at one row (2026-11-28, the same machine). The first
+// against ~3k (2026-11-28, measured once with a scratch script; not kept). The first
 // term is a dot of the row's scales with |xr_b|_1 / 2, 16 rows a vector: one FMA per block.
 //
 // Layout (G = ceil(N / 16) groups of 16 rows): codes [G][nb][4 vectors][16 lanes][4 bytes]. Vector

@@ -29,9 +29,10 @@ CPU_TOKENS_EMULATED_BF16 = 512
 # 2,048 -> 151.3 out tok/s, TTFT p50 2.46 s, 0.95 GiB (one run); 1,024 -> 154.5-183.8, 2.08-2.68
 # s, 0.886-0.906 GiB (four runs, the last 1.0996x llama-server's); 512 -> 127.9-170.7, 0.87-0.88
 # GiB (three runs). flatserve alone, alternated: 2,048 -> 160.6 / 160.8 tok/s at 0.94 GiB, 512 ->
-# 161.3 / 155.5 at 0.88. Four 2,000-token prompts (fresh ids, best of 3, alternated): 1,006 / 987
-# prompt tok/s at 2,048, 992 / 885 / 965 at 1,024, 1,004 / 1,014 at 512. With AMX (tiles) 2,048
-# stays: not re-measured.
+# 161.3 / 155.5 at 0.88. Long prompts lose up to ~10%: four 2,000-token prompts
+# (`benchmarks/dev/cpu_prompt_chunks.py T`, alternated, two sittings) 1,006 / 987 / 987 / 1,066
+# prompt tok/s at 2,048, 992 / 885 / 965 at 1,024, 1,004 / 1,014 / 920 / 943 at 512. With AMX
+# (tiles) 2,048 stays: not re-measured.
 CPU_TOKENS_NO_AMX = 512
 # (device memory at least, sequences, batched tokens): the GPU tiers. 60 GiB covers the
 # H100/H200/A100-80G class; 20 GiB the 24-48 GiB cards (L4, A10, RTX 4090, L40S).
