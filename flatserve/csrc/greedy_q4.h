@@ -62,6 +62,16 @@ struct XPack {
   float sx[kMaxTokens] = {}, slack[kMaxTokens] = {};
 };
 
+// The fp32 rounding of a pass's A and of the head's logit for one token: nb blocks, every |W| and
+// |W4| at most wmax, l1 = sum_k (|xr_k| + the error of the pass's x codes). Each term of either dot
+// is at most 3.3 wmax |x| (greedy_q4's A: d_b (|u . x'| + |8 sum x'|) <= 23 d |x'|, the offset
+// subtracted in float; the head's: wmax |xr|) and rounds at most nb + 5
+// times, so (nb + 16) 2^-23 x 4.5 wmax l1 covers both (greedy_q4t's A, offset exact in int32,
+// has smaller terms).
+inline float slack(int64_t nb, double wmax, double l1) {
+  return static_cast<float>((nb + 16) * 0x1p-23 * 4.5 * wmax * l1 * (1 + 0x1p-20)) + 1e-30f;
+}
+
 // q [M, K] int16 codes in ACT_ORDER per block, d [M, K / 32] their scales -> XPack. wmax bounds
 // every |W| and |W4|; slack: the fp32 rounding of A and of the head's logit (greedy_q4.py).
 inline void pack_x(const int16_t* q, const float* d, int64_t M, int64_t K, double wmax, XPack& x) {
@@ -91,8 +101,7 @@ inline void pack_x(const int16_t* q, const float* d, int64_t M, int64_t K, doubl
     x.sx[t] = sx;
     for (int64_t k = 0; k < KP; ++k)  // ACT_ORDER is its own inverse
       x.xn[t * KP + k - k % 32 + qblocks::act_value(static_cast<int>(k % 32))] = x.xq[t * KP + k];
-    // terms of A: d_b (|u . x'| + |8 sum x'|) <= 23 d |x'| <= 3.3 wmax |x'|; the head's: wmax |xr|
-    x.slack[t] = static_cast<float>((x.nb + 16) * 0x1p-23 * 4.5 * wmax * l1 * (1 + 0x1p-20)) + 1e-30f;
+    x.slack[t] = slack(x.nb, wmax, l1);
   }
 }
 

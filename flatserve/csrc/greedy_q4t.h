@@ -100,7 +100,7 @@ inline void pack_x(const int16_t* q, const float* d, int64_t M, int64_t K, doubl
       x.h[t * x.nb + b] = static_cast<float>(ab / 2 * (1 + 0x1p-20));
       l1 += ab;
     }
-    x.slack[t] = static_cast<float>((x.nb + 16) * 0x1p-23 * 4.5 * wmax * l1 * (1 + 0x1p-20)) + 1e-30f;
+    x.slack[t] = greedy_q4::slack(x.nb, wmax, l1);
   }
 }
 
