@@ -25,8 +25,19 @@ lower bound max(A - B) as threshold keeps ~119k (csrc/greedy_q4.h).
 
 Memory: N x (K / 2 + K / 16) bytes (94 MB for Gemma 3 270M), counted as weights; opt out with
 `--no-greedy-int8-head`. Rows that need logits (sampling, penalties, logprobs) read the head.
+
+Whether the copy pays depends on the CPU: where the head's bytes come fast against its arithmetic
+it does not. At one row the pass ran at 1.23x the full head's speed on a 2-core AVX2 EPYC
+(2026-11-26, MAX_ROWS below) and at 0.68x on a 2-core Zen 5 forced to this level (5.59 against
+3.81 ms, FLATSERVE_CPU_ISA=avx2, 2026-11-28; both benchmarks/dev/cpu_greedy_head.py --gguf). So the served head (`for_model`) times both on
+its first one-row calls, alternated (TRIAL of each, the first of each dropped: cold caches), and
+keeps the pass only where its best time is under KEEP x the head's; else it frees the copy. The
+tokens are the same either way.
 """
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 from torch import nn
@@ -41,7 +52,10 @@ from flatserve.model.qformats import FORMATS
 # and 4 rows took 1.23x, 0.99x and 0.83x the full head's speed (benchmarks/dev/cpu_greedy_head.py
 # --gguf, 2-core EPYC, 2026-11-26, a busy box). So one row: a one-stream decode step.
 MAX_ROWS = 1
+TRIAL = 8  # one-row calls timed on each path before the choice
+KEEP = 0.95  # the pass stays where its best one-row time is under this fraction of the head's
 Q8_0 = FORMATS["q8_0"]
+log = logging.getLogger("flatserve")
 
 
 def quantize_q4(q8: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
@@ -89,26 +103,53 @@ class BoundedHead(nn.Module):
 
 
 class Q4GreedyHead(BoundedHead):
-    """The 4-bit copy's pass (AVX2 build)."""
+    """The 4-bit copy's pass (AVX2 build). With `trial`, the first one-row calls alternate
+    between the pass and the full head, timed, until TRIAL of each; then the copy stays or is
+    freed (module docstring)."""
 
-    def __init__(self, head: quant.QuantLinear) -> None:
+    def __init__(self, head: quant.QuantLinear, trial: bool = False) -> None:
         super().__init__(head)
         copy, self.wmax = quantize_q4(head.qweight0, head.in_features)
         self.register_buffer("copy", copy)
+        self.times: dict[str, list[float]] | None = {"pass": [], "head": []} if trial else None
+        self.clock = time.perf_counter  # the trial's timer (tests put in their own)
 
     @property
     def nbytes(self) -> int:
-        return self.copy.numel()
+        return 0 if self.copy is None else self.copy.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
         self.calls += 1
         ext = quant.kernel()
-        if ext is None or not 0 < x.shape[0] <= MAX_ROWS or not bool(torch.isfinite(x).all()):
+        if self.copy is None or ext is None or not 0 < x.shape[0] <= MAX_ROWS \
+                or not bool(torch.isfinite(x).all()):
             return self._full(x)  # NaN / inf: the bound means nothing there
+        if self.times is None:
+            return self._pass(ext, x)
+        kind = "pass" if len(self.times["pass"]) <= len(self.times["head"]) else "head"
+        t = self.clock()
+        tokens = self._pass(ext, x) if kind == "pass" else kernels.row_argmax(self.head(x))
+        self.times[kind].append(self.clock() - t)
+        if len(self.times["head"]) == TRIAL:
+            self._choose()
+        return tokens
+
+    def _pass(self, ext: object, x: torch.Tensor) -> torch.Tensor:
         # The pass and the candidates' rescoring on the head's own dot, in one call: a parallel
         # region per kernel call costs a scheduler slice whenever the box is shared.
         tokens, self.last_counts = ext.greedy_q4_argmax(x.contiguous(), self.copy, self.head.qweight0, self.wmax)
         return tokens
+
+    def _choose(self) -> None:
+        best = {k: min(v[1:]) for k, v in self.times.items()}
+        self.times = None
+        keep = best["pass"] < KEEP * best["head"]
+        mib = self.copy.numel() / 2**20
+        if not keep:
+            self.copy = None
+        log.info("greedy LM head at one row: the 4-bit copy's pass %.2f ms, the head %.2f ms (best "
+                 "of %d each): %s", best["pass"] * 1e3, best["head"] * 1e3, TRIAL - 1,
+                 "keeping the pass" if keep else f"reading the head, the copy's {mib:.0f} MiB freed")
 
 
 def plain_logits(mcfg: object) -> bool:
@@ -123,4 +164,4 @@ def for_model(model: nn.Module, mcfg: object) -> Q4GreedyHead | None:
     """The bounded 4-bit greedy head for an eligible Q8_0 LM head with plain logits, else None.
     engine/startup.py's _greedy_head is the caller (next to greedy_q8's and the 7-bit bf16 head)."""
     head = getattr(model, "lm_head", None)
-    return Q4GreedyHead(head) if plain_logits(mcfg) and eligible(head) else None
+    return Q4GreedyHead(head, trial=True) if plain_logits(mcfg) and eligible(head) else None

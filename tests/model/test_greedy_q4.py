@@ -140,6 +140,39 @@ def test_non_finite_rows_and_large_calls_take_the_head(cpu_isa: str) -> None:
     assert greedy.fallbacks == 2
 
 
+@pytest.mark.parametrize("pass_ms", [1.0, 3.0])  # against the head's 2.0: faster, slower
+def test_served_head_times_both_paths_then_keeps_the_faster(pass_ms: float, cpu_isa: str) -> None:
+    """The served head's trial (for_model): its first one-row calls alternate pass and full head,
+    each timed (here by a fake clock), with the head's tokens throughout; then the pass stays
+    where it was faster, else the copy is freed and the head answers."""
+    require_kernel(quant._ext)
+    n, k = 64 * 20, 640
+    head = _head(_weights(n, k))
+    greedy = Q4GreedyHead(head, trial=True)
+    readings, now = [0], [0.0]
+
+    def clock() -> float:  # reading 2j starts call j, 2j + 1 ends it: pass on even j, head on odd
+        r = readings[0]
+        readings[0] += 1
+        if r % 2:
+            now[0] += (pass_ms if (r // 2) % 2 == 0 else 2.0) / 1e3
+        return now[0]
+
+    greedy.clock = clock
+    for _ in range(2 * greedy_q4.TRIAL):
+        x = _x(1, k).bfloat16()
+        assert torch.equal(greedy(x), kernels.row_argmax(head(x)))
+    assert greedy.times is None and readings[0] == 4 * greedy_q4.TRIAL and greedy.fallbacks == 0
+    x = _x(1, k).bfloat16()
+    greedy.last_counts = torch.empty(0, dtype=torch.int64)
+    assert torch.equal(greedy(x), kernels.row_argmax(head(x)))
+    if pass_ms < 2.0:
+        assert greedy.copy is not None and greedy.fallbacks == 0 and greedy.last_counts.numel() == 1
+    else:
+        assert greedy.copy is None and greedy.nbytes == 0 and greedy.fallbacks == 1
+    assert readings[0] == 4 * greedy_q4.TRIAL  # no timing after the choice
+
+
 def test_only_a_plain_q8_0_head_on_the_avx2_build_is_eligible(cpu_isa: str, monkeypatch) -> None:
     n, k = 64, 640
     head = _head(_weights(n, k))
@@ -162,6 +195,7 @@ def test_default_model_greedy_tokens_with_and_without_the_head(default_model_pat
     runner = llm.engine.runner
     served = greedy_q4.for_model(runner.model, runner.cfg)  # the AVX2 build's choice only
     assert (served is not None) == (quant.kernel().isa() == "avx2")
+    assert served is None or served.times is not None  # the served head times both paths first
     head = Q4GreedyHead(runner.model.lm_head)  # the pass itself at this level
     same_tokens_through(llm, head, ["The capital of France is", "def fib(n):", "Once upon a time",
                                     "1, 2, 3, 5, 8,"])
