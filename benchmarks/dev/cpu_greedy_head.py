@@ -4,7 +4,8 @@ GGUF's own Q8_0 head (kept quantized) + argmax vs the bounded greedy head the bu
 avx512 level (flatserve/model/greedy_q8.py) the rows-in-lanes 4-bit copy up to FEW_ROWS rows and
 the int8 pass on the head's codes above, else the 4-bit copy (flatserve/model/greedy_q4.py).
 
-    .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30] [--gguf [--few-rows 8]]
+    .venv/bin/python benchmarks/dev/cpu_greedy_head.py [--rows 1,4,16] [--reps 30] [--gguf [--few-rows 8]
+        [--int8-from N]]
     .venv/bin/python benchmarks/dev/cpu_greedy_head.py --bits 7,6,5 [--random-prompts]
 
 Real hidden states: the final-norm outputs of the benchmark's 16 prompts (benchmarks/offline_cpu.py)
@@ -46,7 +47,11 @@ def main() -> None:
     ap.add_argument("--random-prompts", action="store_true")
     ap.add_argument("--few-rows", type=int, default=None,
                     help="greedy_q8.FEW_ROWS for this run: the copy's pass up to that many rows (at most 8)")
+    ap.add_argument("--int8-from", type=int, default=None,
+                    help="greedy_q8.AVX2_MIN_ROWS for this run (avx2 build): the int8 pass from that many rows")
     a = ap.parse_args()
+    if a.int8_from is not None:
+        greedy_q8.AVX2_MIN_ROWS = a.int8_from
     if a.few_rows is not None:
         from flatserve.model import greedy_q8 as g8
 
@@ -79,6 +84,10 @@ def main() -> None:
         if a.random_prompts else make_prompts(16)
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     model.compute_logits, greedy.forward = orig, greedy_call
+    if getattr(greedy, "one_row", None) is not None:  # avx2: the pass itself, not its trial (which
+        from flatserve.model.greedy_q4 import Q4GreedyHead  # may have freed the copy by now)
+
+        greedy.one_row = Q4GreedyHead(greedy.head)
     h = torch.cat(hidden)  # [R, K]
     head = greedy.head
     if a.bits:
@@ -110,11 +119,15 @@ def main() -> None:
             full_t.append(t1 - t0)
             int8_t.append(t2 - t1)
             t3 = time.perf_counter()
-            if a.gguf and hasattr(greedy, "sums") and m <= greedy_q8.FEW_ROWS:  # the copy, rows in lanes
+            one_row = getattr(greedy, "one_row", None)  # the avx2 build's greedy_q4 copy
+            if a.gguf and one_row is not None and m < greedy_q8.AVX2_MIN_ROWS:
+                _, cnt = greedy_q4_ext().greedy_q4_argmax(x, one_row.copy, head.qweight0, one_row.wmax)
+                off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+            elif a.gguf and hasattr(greedy, "copy_codes") and m <= greedy_q8.FEW_ROWS:  # rows in lanes
                 _, cnt = greedy_q4_ext().greedy_q4t_argmax(x, head.qweight0, greedy.copy_codes,
                                                            greedy.copy_scales, greedy.wmax)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
-            elif a.gguf and hasattr(greedy, "sums"):  # the int8 pass (avx512 build)
+            elif a.gguf and hasattr(greedy, "sums"):  # the int8 pass (avx512 and avx2 builds)
                 _, cnt = greedy_q4_ext().greedy_q8_argmax(x, head.qweight0, greedy.sums, greedy.norms)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
             elif a.gguf:

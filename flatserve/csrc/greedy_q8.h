@@ -30,11 +30,23 @@
 #include "greedy_q4.h"
 #include "quant_blocks.h"
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define FLATSERVE_GREEDY_Q8 1
 #include <immintrin.h>
 
 namespace flatserve::greedy_q8 {
+
+// AVX-512 VNNI: vpdpbusd, x as c + 128 (c in [-127, 127]). AVX2 (no VNNI): vpmaddubsw, whose
+// int16 pair sums saturate past 32767, so x goes as c + 64 with c in [-63, 63] (pairs
+// |2 x 127 x 128| = 32512), then vpmaddwd by ones and vpaddd: 3 instructions for 32 products where
+// the head's int16 dot spends ~9 per 32 with its per-block scaling (quant_gemm_cpu.cpp dot_src).
+// The bound is the same formula with this E (twice VNNI's for the same x).
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define FLATSERVE_GREEDY_Q8_VNNI 1
+constexpr int kCodeMax = 127, kOffset = 128;
+#else
+constexpr int kCodeMax = 63, kOffset = 64;
+#endif
 
 using flatserve::qblocks::h2f;
 using greedy_q4::Cand;
@@ -43,8 +55,8 @@ using greedy_q4::Part;
 using greedy_q4::tie_margin;
 
 struct XPack8 {
-  int64_t M = 0, nb = 0, L = 16;  // L: lanes, 16 (zmm) or 8 (ymm, up to 8 tokens)
-  std::vector<int32_t> xu;  // [nb][8][L]: token t's codes c + 128 of block b, values 4j..4j+3
+  int64_t M = 0, nb = 0, L = 16;  // L: lanes, 16 (zmm; AVX2: two ymm) or 8 (ymm, up to 8 tokens)
+  std::vector<int32_t> xu;  // [nb][8][L]: token t's codes c + kOffset of block b, values 4j..4j+3
   std::vector<float> s;     // [nb][L]: s_b per token
   alignas(64) float e[kMaxTokens] = {};  // E + slack per token, rounded up (B_n = R_n e)
 };
@@ -61,11 +73,11 @@ inline void pack_x8(const int16_t* q, const float* d, int64_t M, int64_t K, int6
         xr[qblocks::act_value(pos)] = static_cast<double>(d[t * x.nb + b]) * q[t * K + 32 * b + pos];
         amax = std::max(amax, std::fabs(xr[qblocks::act_value(pos)]));
       }
-      const float s = amax > 0.0 ? static_cast<float>(amax / 127) : 1.f;
+      const float s = amax > 0.0 ? static_cast<float>(amax / kCodeMax) : 1.f;
       uint8_t u[32];
       for (int k = 0; k < 32; ++k) {
-        const int c = std::clamp(static_cast<int>(std::nearbyint(xr[k] / s)), -127, 127);
-        u[k] = static_cast<uint8_t>(c + 128);
+        const int c = std::clamp(static_cast<int>(std::nearbyint(xr[k] / s)), -kCodeMax, kCodeMax);
+        u[k] = static_cast<uint8_t>(c + kOffset);
         err = std::max(err, std::fabs(xr[k] - static_cast<double>(s) * c));
       }
       for (int j = 0; j < 8; ++j) std::memcpy(&x.xu[(b * 8 + j) * L + t], u + 4 * j, 4);
@@ -81,6 +93,7 @@ inline void pack_x8(const int16_t* q, const float* d, int64_t M, int64_t K, int6
 // 256-bit vpdpbusd a cycle against one 512-bit, but the rest of a block's work does not halve:
 // the default head at 4-8 rows took 8.7-8.9 ms against 16 lanes' 10.3 (cpu_greedy_head.py --gguf).
 template <int L> struct Lanes;
+#ifdef FLATSERVE_GREEDY_Q8_VNNI
 template <> struct Lanes<16> {
   using I = __m512i;
   using F = __m512;
@@ -115,6 +128,53 @@ template <> struct Lanes<8> {
   static uint32_t ge(uint32_t m, F a, F b) { return _mm256_mask_cmp_ps_mask(static_cast<__mmask8>(m), a, b, _CMP_GE_OQ); }
   static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
 };
+#else
+// AVX2: 8 lanes in one ymm; 16 as two ymm (one broadcast of the row's codes serves both halves).
+struct Avx2 {
+  static __m256i dp(__m256i acc, __m256i x, __m256i w) {
+    const __m256i p = _mm256_maddubs_epi16(x, w);  // x in [1, 127]: no saturation
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+  static __m256 fma(__m256i acc, __m256 s, __m256 a) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), s, a); }
+  static __m256 abs(__m256 a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+  static uint32_t cmp_gt(__m256 a, __m256 b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+  static uint32_t cmp_ge(__m256 a, __m256 b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
+};
+template <> struct Lanes<8> {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static I dp(I acc, I x, I w) { return Avx2::dp(acc, x, w); }
+  static F fma(I acc, F s, F a) { return Avx2::fma(acc, s, a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F abs(F a) { return Avx2::abs(a); }
+  static uint32_t gt(uint32_t m, F a, F b) { return m & Avx2::cmp_gt(a, b); }
+  static uint32_t ge(uint32_t m, F a, F b) { return m & Avx2::cmp_ge(a, b); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+};
+template <> struct Lanes<16> {
+  struct I { __m256i lo, hi; };
+  struct F { __m256 lo, hi; };
+  static I load(const int32_t* p) { return {Lanes<8>::load(p), Lanes<8>::load(p + 8)}; }
+  static F load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+  static F set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+  static I dp(I acc, I x, I w) { return {Avx2::dp(acc.lo, x.lo, w.lo), Avx2::dp(acc.hi, x.hi, w.lo)}; }
+  static F fma(I acc, F s, F a) { return {Avx2::fma(acc.lo, s.lo, a.lo), Avx2::fma(acc.hi, s.hi, a.hi)}; }
+  static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  static F fmadd(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static F max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+  static F abs(F a) { return {Avx2::abs(a.lo), Avx2::abs(a.hi)}; }
+  static uint32_t gt(uint32_t m, F a, F b) { return m & (Avx2::cmp_gt(a.lo, b.lo) | Avx2::cmp_gt(a.hi, b.hi) << 8); }
+  static uint32_t ge(uint32_t m, F a, F b) { return m & (Avx2::cmp_ge(a.lo, b.lo) | Avx2::cmp_ge(a.hi, b.hi) << 8); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+};
+#endif
 
 // Rows n .. n + G of the head -> A (lanes: tokens). The G rows' blocks are one contiguous span
 // (G x 34 nb bytes); the next span is requested into L2 a few lines a block (Prefetch, as the
@@ -131,13 +191,13 @@ inline void dot_rows(const XPack8& x, const uint8_t* w, int64_t rb, const int16_
     const typename V::F s = V::load(x.s.data() + b * L);
     for (int r = 0; r < G; ++r) {
       const uint8_t* blk = w + (n + r) * rb + 34 * b;
-      typename V::I acc = V::set1(-128 * static_cast<int32_t>(S[(n + r) * x.nb + b]));
+      typename V::I acc = V::set1(-kOffset * static_cast<int32_t>(S[(n + r) * x.nb + b]));
       for (int j = 0; j < 8; ++j) {
         int32_t wq;
         std::memcpy(&wq, blk + 2 + 4 * j, 4);
         acc = V::dp(acc, xv[j], V::set1(wq));
       }
-      // |q . c| <= 32 127 127 < 2^24: the conversion is exact
+      // |q . c| <= 32 128 127 < 2^24: the conversion is exact
       A[r] = V::fma(acc, V::mul(s, V::set1(h2f(blk))), A[r]);
     }
   }

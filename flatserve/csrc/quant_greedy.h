@@ -81,7 +81,7 @@ std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& 
 }
 
 // The int8 pass on the head's own codes (flatserve/csrc/greedy_q8.h, model/greedy_q8.py): S [N, K
-// / 32] int16 and R [N] fp32 from greedy_q8_prep. Only where the build has AVX-512 VNNI.
+// / 32] int16 and R [N] fp32 from greedy_q8_prep. The avx512 build (VNNI) and the avx2 one.
 std::vector<at::Tensor> greedy_q8_argmax(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& S,
                                          const at::Tensor& R) {
 #ifdef FLATSERVE_GREEDY_Q8
@@ -107,7 +107,7 @@ std::vector<at::Tensor> greedy_q8_argmax(const at::Tensor& x, const at::Tensor& 
     });
   });
 #else
-  TORCH_CHECK(false, "greedy_q8_argmax: this build has no AVX-512 VNNI");
+  TORCH_CHECK(false, "greedy_q8_argmax: this build has no AVX2");
 #endif
 }
 
@@ -176,7 +176,7 @@ std::vector<at::Tensor> greedy_q8_prep(const at::Tensor& w8, int64_t K) {
     flatserve::greedy_q8::prep_rows(w8.data_ptr<uint8_t>(), n0, n1, nb, S.data_ptr<int16_t>(), R.data_ptr<float>());
   });
 #else
-  TORCH_CHECK(false, "greedy_q8_prep: this build has no AVX-512 VNNI");
+  TORCH_CHECK(false, "greedy_q8_prep: this build has no AVX2");
 #endif
   return {S, R};
 }

@@ -406,11 +406,11 @@ def _pack(model: torch.nn.Module, device: torch.device, gemm: str, copy_tied: bo
 def _greedy_head(model: torch.nn.Module, mcfg: ModelConfig, gemm: str,
                  want: bool | None) -> torch.nn.Module | None:
     """The bounded greedy head where its argmax is the model's: for a CPU Q8_0 LM head (a
-    GGUF's, kept quantized) the 4-bit copy (model/greedy_q4.py, AVX2) or the int8 pass
-    (model/greedy_q8.py, AVX-512 VNNI); for an AMX or AVX2 LM head (the
+    GGUF's, kept quantized) the int8 pass with a 4-bit copy for few rows (model/greedy_q8.py,
+    AVX-512 VNNI or AVX2); for an AMX or AVX2 LM head (the
     AVX2 kernel's vector build) without bias whose logits are used as they are (no softcap) the
     7-bit copy; else None. `want` None (auto): not for an AMX head (EngineConfig's comment)."""
-    from flatserve.model import amx, avx2, greedy_q4, greedy_q8, quant
+    from flatserve.model import amx, avx2, greedy_q8, quant
     from flatserve.model.greedy_head import Int8GreedyHead
 
     if want is False or (want is None and gemm == "amx"):
@@ -419,8 +419,7 @@ def _greedy_head(model: torch.nn.Module, mcfg: ModelConfig, gemm: str,
     if isinstance(head, quant.QuantLinear):  # its kernel is the CPU extension: CPU heads only
         if head.qweight0.device.type != "cpu":
             return None
-        q4 = greedy_q4.for_model(model, mcfg)  # AVX2 build
-        return q4 if q4 is not None else greedy_q8.for_model(model, mcfg)  # avx512 build
+        return greedy_q8.for_model(model, mcfg)  # avx512 and avx2 builds (avx2: greedy_q4's copy inside)
     ok = (gemm == "amx" and isinstance(head, amx.AMXLinear)) or \
         (gemm == "avx2" and isinstance(head, avx2.AVX2Linear) and head.ext.vectorized())
     if not ok or head.bias.numel() or mcfg.final_logit_softcap is not None:

@@ -29,7 +29,8 @@ Memory: N x (K / 2 + K / 16) bytes (94 MB for Gemma 3 270M), counted as weights;
 Whether the copy pays depends on the CPU: where the head's bytes come fast against its arithmetic
 it does not. At one row the pass ran at 1.23x the full head's speed on a 2-core AVX2 EPYC
 (2026-11-26, MAX_ROWS below) and at 0.68x on a 2-core Zen 5 forced to this level (5.59 against
-3.81 ms, FLATSERVE_CPU_ISA=avx2, 2026-11-28; both benchmarks/dev/cpu_greedy_head.py --gguf). So the served head (`for_model`) times both on
+3.81 ms, FLATSERVE_CPU_ISA=avx2, 2026-11-28; both benchmarks/dev/cpu_greedy_head.py --gguf). So
+the served one (greedy_q8.py's `one_row` at the avx2 level, built with `trial`) times both on
 its first one-row calls, alternated (TRIAL of each, the first of each dropped: cold caches), and
 keeps the pass only where its best time is under KEEP x the head's; else it frees the copy. The
 tokens are the same either way.
@@ -158,10 +159,3 @@ def plain_logits(mcfg: object) -> bool:
     not have), so the head's argmax is the model's."""
     softcap = getattr(mcfg, "final_logit_softcap", None)
     return softcap is None and getattr(mcfg, "logits_scaling", 1.0) == 1.0
-
-
-def for_model(model: nn.Module, mcfg: object) -> Q4GreedyHead | None:
-    """The bounded 4-bit greedy head for an eligible Q8_0 LM head with plain logits, else None.
-    engine/startup.py's _greedy_head is the caller (next to greedy_q8's and the 7-bit bf16 head)."""
-    head = getattr(model, "lm_head", None)
-    return Q4GreedyHead(head, trial=True) if plain_logits(mcfg) and eligible(head) else None

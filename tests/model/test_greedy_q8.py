@@ -1,6 +1,7 @@
 """The greedy passes on a Q8_0 LM head (flatserve/model/greedy_q8.py) at the ISA levels whose
-build has them (AVX-512 VNNI: avx512, amx): the int8-activation pass (greedy_q8.h) and the 4-bit
-copy with rows in the lanes (greedy_q4t.h), each forced over its kernel's whole row range (`PASSES`).
+build has them (AVX-512 VNNI: avx512, amx; the int8 pass in its AVX2 form at avx2): the
+int8-activation pass (greedy_q8.h) and the 4-bit copy with rows in the lanes (greedy_q4t.h, VNNI
+levels), each forced over its kernel's whole row range (`PASSES`, AVX2_MIN_ROWS).
 A token is `row_argmax(head(x))` of the quantized head itself, bit for bit (ties to the first
 index included), on fresh random heads and inputs with outlier channels, exact ties, ties one
 code step apart and rows crowded within each bound; the per-row sums and the copy it keeps are
@@ -25,15 +26,31 @@ Q8_0 = FORMATS["q8_0"]
 PASSES = {"int8": 0, "copy": 8}
 
 
-def _ext() -> object:
+def _ext(pass_: str = "int8") -> object:
     ext = require_kernel(quant._ext)
     if not ext.has_greedy_q8():
-        pytest.skip(f"the {ext.isa()} build has no AVX-512 VNNI, where the int8 pass lives")
+        pytest.skip(f"the {ext.isa()} build has no AVX2, where the int8 pass lives")
+    if pass_ == "copy" and ext.isa() == "avx2":
+        pytest.skip("the rows-in-lanes copy is built at the AVX-512 VNNI levels only (avx2: greedy_q4's)")
     return ext
 
 
+@pytest.fixture(params=["amx", "avx512", "avx2"])
+def pass_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The levels whose build has the int8 pass: VNNI (amx, avx512) and AVX2's vpmaddubsw form."""
+    from tests.conftest import _at_level
+
+    return _at_level(request.param, monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def _int8_from_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At avx2 the int8 pass over its whole range (the served one starts at AVX2_MIN_ROWS)."""
+    monkeypatch.setattr(greedy_q8, "AVX2_MIN_ROWS", 1)
+
+
 @pytest.mark.parametrize("k", [640, 96])
-def test_sums_and_norms_are_the_blocks(k: int, tile_isa: str) -> None:
+def test_sums_and_norms_are_the_blocks(k: int, pass_isa: str) -> None:
     ext = _ext()
     n = 300
     q8 = quantize(_weights(n, k), Q8_0)
@@ -46,8 +63,8 @@ def test_sums_and_norms_are_the_blocks(k: int, tile_isa: str) -> None:
 
 @pytest.mark.parametrize("pass_,rows", [("int8", 1), ("int8", 7), ("int8", 16), ("copy", 1), ("copy", 3),
                                         ("copy", 8)])
-def test_tokens_equal_the_quantized_head_argmax(pass_: str, rows: int, tile_isa: str, monkeypatch) -> None:
-    _ext()
+def test_tokens_equal_the_quantized_head_argmax(pass_: str, rows: int, pass_isa: str, monkeypatch) -> None:
+    _ext(pass_)
     monkeypatch.setattr(greedy_q8, "FEW_ROWS", PASSES[pass_])  # the kernel's whole range, not the served one
     n, k = 8 * random.randint(300, 900) + random.randint(0, 7), random.choice([640, 96])
     w = _weights(n, k)
@@ -66,19 +83,22 @@ def test_tokens_equal_the_quantized_head_argmax(pass_: str, rows: int, tile_isa:
         assert torch.equal(greedy(xd), ref), dtype
     assert greedy.fallbacks == 0 and (greedy.last_counts >= 1).all()
     counts = greedy.last_counts
-    if pass_ == "int8":
+    if pass_ == "int8" and pass_isa != "avx2":
         assert (counts < n // 4).all(), counts  # the pass does prune
+    elif pass_ == "int8":  # 7-bit x at avx2, twice the error: over 180 calls of this test's kind
+        # (2026-11-28) a token kept at most 39% of the rows and a call at most 19% on average
+        assert counts.float().mean() < n / 3 and (counts < 3 * n // 4).all(), counts
     else:  # the 4-bit copy's bound is looser: over 310 calls of this test's kind (2026-11-28) a
         # token kept at most 27% of the rows and a call at most 8.9% on average
         assert counts.float().mean() < n / 5 and (counts < n // 2).all(), counts
 
 
 @pytest.mark.parametrize("pass_", sorted(PASSES))
-def test_rows_crowded_within_the_bound(pass_: str, tile_isa: str, monkeypatch) -> None:
+def test_rows_crowded_within_the_bound(pass_: str, pass_isa: str, monkeypatch) -> None:
     """24 copies of the winning row, two thirds with one code moved a step, against 16 tokens
     (the copy: 8) of 25 x the winner plus noise from 0 to 2: logits closer than the pass can
     tell, so the exact rescoring decides; the first maximum must win."""
-    _ext()
+    _ext(pass_)
     monkeypatch.setattr(greedy_q8, "FEW_ROWS", PASSES[pass_])
     n, k = 8 * 300, 640
     w = _weights(n, k)
@@ -98,14 +118,14 @@ def test_rows_crowded_within_the_bound(pass_: str, tile_isa: str, monkeypatch) -
 
 
 @pytest.mark.parametrize("pass_,rows", [("int8", 5), ("int8", 16), ("copy", 8)])
-def test_a_crowd_the_estimate_misorders(pass_: str, rows: int, tile_isa: str, monkeypatch) -> None:
+def test_a_crowd_the_estimate_misorders(pass_: str, rows: int, pass_isa: str, monkeypatch) -> None:
     """Small winning logits (~1, so the tie margin is ~0.02) with x's outlier channels at 40x:
     the int8 codes of x err by up to ~0.16 a value there, and the 4-bit copy's weights by up to
     d / 2 (~0.02 here), so the estimates of 64 rows a code step or two from the winner misorder
     them. Only the bound (not the tie margin) keeps the true maximum among the rescored rows:
     with either pass's bound set to zero this fails (int8: the 8 and 16 lanes; copy: its 8 tokens
     at once, then each alone, in 10 of 10 runs)."""
-    _ext()
+    _ext(pass_)
     monkeypatch.setattr(greedy_q8, "FEW_ROWS", PASSES[pass_])
     n, k = 8 * 300, 640
     w = torch.randn(n, k) * 0.001
@@ -126,7 +146,7 @@ def test_a_crowd_the_estimate_misorders(pass_: str, rows: int, tile_isa: str, mo
     assert greedy.fallbacks == 0
 
 
-def test_non_finite_rows_and_calls_out_of_range_take_the_head(tile_isa: str) -> None:
+def test_non_finite_rows_and_calls_out_of_range_take_the_head(pass_isa: str) -> None:
     _ext()
     head = _head(_weights(8 * 50, 640))
     greedy = Q8GreedyHead(head)
@@ -142,11 +162,11 @@ def test_non_finite_rows_and_calls_out_of_range_take_the_head(tile_isa: str) -> 
 
 
 @pytest.mark.parametrize("k", [640, 96])
-def test_the_copy_is_greedy_q4s_codes_in_lanes(k: int, tile_isa: str) -> None:
+def test_the_copy_is_greedy_q4s_codes_in_lanes(k: int, pass_isa: str) -> None:
     """The rows-in-lanes copy holds greedy_q4.py's codes and scales (the same quantize_block):
     each lane's nibbles, unpacked by the layout greedy_q4t.h states, equal the row-major copy's;
     the rows past N (the last group's padding) have zero scales and zero codes."""
-    ext = _ext()
+    ext = _ext("copy")
     n = 16 * random.randint(3, 9) + random.randint(1, 15)
     q8 = quantize(_weights(n, k), Q8_0)
     codes, scales, wmax = ext.greedy_q4t_copy(q8, k)
@@ -169,16 +189,19 @@ def test_the_copy_is_greedy_q4s_codes_in_lanes(k: int, tile_isa: str) -> None:
     assert (c[n:] == 0).all() and (d[n:] == 0).all()
 
 
-def test_served_on_the_avx512_build_only(cpu_isa: str) -> None:
-    """The start-up's choice by level (engine/startup.py _greedy_head): the int8 pass at avx512,
-    the 4-bit copy at avx2, none at amx (its tiles' head) and portable."""
+def test_served_on_the_avx512_and_avx2_builds(cpu_isa: str) -> None:
+    """The start-up's choice by level (engine/startup.py _greedy_head): the int8 pass at avx512
+    and avx2 (there with greedy_q4's copy for one row, on trial), none at amx (its tiles' head)
+    and portable."""
     from flatserve.engine.startup import _greedy_head
 
     model = torch.nn.Module()
     model.lm_head = _head(_weights(64, 640))
     got = _greedy_head(model, object(), "torch", None)
     isa = quant.kernel().isa() if quant.kernel() is not None else "none"
-    assert type(got).__name__ == {"avx512": "Q8GreedyHead", "avx2": "Q4GreedyHead"}.get(isa, "NoneType")
+    assert type(got).__name__ == {"avx512": "Q8GreedyHead", "avx2": "Q8GreedyHead"}.get(isa, "NoneType")
+    if isa == "avx2":
+        assert got.one_row is not None and got.one_row.times is not None  # the one-row trial
     assert _greedy_head(model, object(), "torch", False) is None  # --no-greedy-int8-head
 
 
@@ -188,11 +211,11 @@ def test_default_model_greedy_tokens_with_and_without_the_pass(default_model_pat
     from flatserve import LLM
 
     if not (quant.kernel() is not None and quant.kernel().has_greedy_q8()):
-        pytest.skip("this CPU's build has no AVX-512 VNNI, where the passes live")
+        pytest.skip("this CPU's build has no AVX2, where the passes live")
     llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
               greedy_int8_head=False)
     served = greedy_q8.for_model(llm.engine.runner.model, llm.engine.runner.cfg)
-    assert (served is not None) == (quant.kernel().isa() == "avx512")
+    assert (served is not None) == (quant.kernel().isa() in ("avx512", "avx2"))
     same_tokens_through(llm, Q8GreedyHead(llm.engine.runner.model.lm_head),
                         ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,",
                          "Dear Sir,"])
