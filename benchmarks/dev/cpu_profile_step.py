@@ -1,7 +1,7 @@
 """Where a CPU decode step goes: torch profiler over 5 engine steps at N concurrent requests.
 
     .venv/bin/python benchmarks/dev/cpu_profile_step.py 1 [--quantization int8 | --dequantize]
-    .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--attention-backend B]
+    .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--prompt-len N] [--attention-backend B]
         [--ngram K] [--cpu-gemm amx|onednn|torch]
     .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 --generate [--eager]
 
@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--by-kernel", action="store_true")
     ap.add_argument("--prefill", action="store_true",
                     help="with --by-kernel: split the prompt steps instead of decode steps")
+    ap.add_argument("--prompt-len", type=int, default=0,
+                    help="prompts of this many tokens (0: 10..1,500, seeded)")
     ap.add_argument("--attention-backend", default=None, help="cpu | cpu-sdpa | torch")
     ap.add_argument("--ngram", type=int, default=0, help="n-gram drafts per step (0: none)")
     ap.add_argument("--cpu-gemm", default="auto", help="amx | onednn | torch")
@@ -57,7 +59,7 @@ def main() -> None:
     eng = llm.engine
     rng = random.Random(0)
     for _ in range(a.n):
-        eng.add_request([rng.randrange(10, 5000) for _ in range(rng.randint(10, 1500))],
+        eng.add_request([rng.randrange(10, 5000) for _ in range(a.prompt_len or rng.randint(10, 1500))],
                         SamplingParams(max_tokens=200, ignore_eos=True, temperature=0))
     if spent is not None and a.prefill:
         return _split_prefill(eng, spent)

@@ -39,12 +39,14 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         nb = n * fmt.row_bytes(k)
         ps = [qp.repack(random_blocks(n, k, fmt, "cuda"), fmt) for _ in range(max(1, -(-2 * l2 // nb)))]
-        dn = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(max(1, -(-l2 // (n * k))))]
+        copies = max(1, -(-l2 // (n * k)))
+        dn = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
         for m in (256, 512):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             ref = torch.empty_like(out)
-            line = f"{name:8s} M={m} bf16 {graph_us([lambda d=d: torch.mm(x, d.t(), out=out) for d in dn]):7.1f}"
+            t_bf = graph_us([lambda d=d: torch.mm(x, d.t(), out=out) for d in dn])
+            line = f"{name:8s} M={m} bf16 {t_bf:7.1f}"
             for tiles in ((256, 128, 2, 1, 8, 3), (128, 128, 4, 1, 8, 3), (128, 256, 2, 1, 8, 3),
                           (256, 64, 2, 1, 4, 3), (128, 128, 4, 1, 4, 3)):
                 bm, bn, kb, sp, warps, st = tiles
@@ -70,7 +72,8 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001
                     t1, same = float("nan"), None
                     print(f"  ws {tiles}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                line += f" | {tiles[:3]}w{warps} {t0:6.1f} ws {t1:6.1f}{'' if same else ' DIFF' if same is False else ''}"
+                flag = " DIFF" if same is False else ""
+                line += f" | {tiles[:3]}w{warps} {t0:6.1f} ws {t1:6.1f}{flag}"
             print(line, flush=True)
         del ps, dn
 

@@ -73,7 +73,8 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         nb = n * fmt.row_bytes(k)
         ps = [qp.repack(random_blocks(n, k, fmt, "cuda"), fmt) for _ in range(max(1, -(-2 * l2 // nb)))]
-        denses = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(max(1, -(-l2 // (n * k))))]
+        copies = max(1, -(-l2 // (n * k)))  # 2 bytes a value: over 2x the L2
+        denses = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
         for m in [int(r) for r in a.rows.split(",")]:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
@@ -83,7 +84,8 @@ def main() -> None:
             t_old = graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps])
             qp.qgemm(x, ps[0], fmt, ref)
             qp.GEMM = True
-            line = f"q4_0 {name:8s} M={m:4d} bf16 {t_bf:7.1f} | whole dequant {t_old:7.1f} ({t_old / t_bf:4.2f}x)"
+            line = (f"q4_0 {name:8s} M={m:4d} bf16 {t_bf:7.1f} | whole dequant {t_old:7.1f} "
+                    f"({t_old / t_bf:4.2f}x)")
             try:
                 t_g = graph_us([lambda p=p: qp.gemm(x, p, fmt, out, (256, 128, 2, 1, 8, 3)) for p in ps])
                 line += f" | fused 256x128 {t_g:7.1f} ({t_g / t_bf:4.2f}x)"
@@ -97,7 +99,8 @@ def main() -> None:
                     chunked(x, ps[0], out, rows, scratch, two)
                     torch.cuda.synchronize()
                     err = (out.float() - ref.float()).abs().max().item()
-                    line += f" | {mb}MB{'x2' if two else ''} {t:7.1f} ({t / t_bf:4.2f}x{'' if err == 0 else f' err {err:.1e}'})"
+                    note = "" if err == 0 else f" err {err:.1e}"
+                    line += f" | {mb}MB{'x2' if two else ''} {t:7.1f} ({t / t_bf:4.2f}x{note})"
             print(line, flush=True)
         del ps, denses
 
