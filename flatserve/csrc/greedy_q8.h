@@ -1,6 +1,7 @@
-// The quantized LM head's greedy candidate pass on AVX-512 VNNI (flatserve/model/greedy_q8.py says
-// what and why): the head's own Q8_0 codes q (scale D per 32 weights), dotted with x requantized
-// to int8 codes c per 32 values (scale s_b = max |xr_b| / 127), where the head dots int16 codes.
+// The quantized LM head's greedy candidate pass on AVX-512 VNNI, and on AVX2 in the form below
+// (flatserve/model/greedy_q8.py says what and why): the head's own Q8_0 codes q (scale D per 32
+// weights), dotted with x requantized to int8 codes c per 32 values (scale s_b = max |xr_b| /
+// 127; 63 on AVX2), where the head dots int16 codes.
 // vpdpbusd does 64 products an instruction against vpdpwssd's 32 for the head (benchmarks/dev/
 // cpu_vnni_loop.cpp: both ~1 a cycle on Zen 4), and the pass reads no copy of the head.
 //
