@@ -94,6 +94,21 @@ inline void pack_x8(const int16_t* q, const float* d, int64_t M, int64_t K, int6
 // 256-bit vpdpbusd a cycle against one 512-bit, but the rest of a block's work does not halve:
 // the default head at 4-8 rows took 8.7-8.9 ms against 16 lanes' 10.3 (cpu_greedy_head.py --gguf).
 template <int L> struct Lanes;
+// What 8 lanes in a ymm do alike at both levels; dp and the masked compares differ.
+struct Ymm {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fma(I acc, F s, F a) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), s, a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+};
 #ifdef FLATSERVE_GREEDY_Q8_VNNI
 template <> struct Lanes<16> {
   using I = __m512i;
@@ -112,68 +127,38 @@ template <> struct Lanes<16> {
   static uint32_t ge(uint32_t m, F a, F b) { return _mm512_mask_cmp_ps_mask(m, a, b, _CMP_GE_OQ); }
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
 };
-template <> struct Lanes<8> {
-  using I = __m256i;
-  using F = __m256;
-  static I load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
+template <> struct Lanes<8> : Ymm {
   static I dp(I acc, I x, I w) { return _mm256_dpbusd_epi32(acc, x, w); }
-  static F fma(I acc, F s, F a) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), s, a); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F max(F a, F b) { return _mm256_max_ps(a, b); }
-  static F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
   static uint32_t gt(uint32_t m, F a, F b) { return _mm256_mask_cmp_ps_mask(static_cast<__mmask8>(m), a, b, _CMP_GT_OQ); }
   static uint32_t ge(uint32_t m, F a, F b) { return _mm256_mask_cmp_ps_mask(static_cast<__mmask8>(m), a, b, _CMP_GE_OQ); }
-  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
 };
 #else
 // AVX2: 8 lanes in one ymm; 16 as two ymm (one broadcast of the row's codes serves both halves).
-struct Avx2 {
-  static __m256i dp(__m256i acc, __m256i x, __m256i w) {
-    const __m256i p = _mm256_maddubs_epi16(x, w);  // x in [1, 127]: no saturation
+template <> struct Lanes<8> : Ymm {
+  static I dp(I acc, I x, I w) {
+    const I p = _mm256_maddubs_epi16(x, w);  // x in [1, 127]: no saturation
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
   }
-  static __m256 fma(__m256i acc, __m256 s, __m256 a) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), s, a); }
-  static __m256 abs(__m256 a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
-  static uint32_t cmp_gt(__m256 a, __m256 b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
-  static uint32_t cmp_ge(__m256 a, __m256 b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
-};
-template <> struct Lanes<8> {
-  using I = __m256i;
-  using F = __m256;
-  static I load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
-  static I dp(I acc, I x, I w) { return Avx2::dp(acc, x, w); }
-  static F fma(I acc, F s, F a) { return Avx2::fma(acc, s, a); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F max(F a, F b) { return _mm256_max_ps(a, b); }
-  static F abs(F a) { return Avx2::abs(a); }
-  static uint32_t gt(uint32_t m, F a, F b) { return m & Avx2::cmp_gt(a, b); }
-  static uint32_t ge(uint32_t m, F a, F b) { return m & Avx2::cmp_ge(a, b); }
-  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+  static uint32_t gt(uint32_t m, F a, F b) { return m & _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+  static uint32_t ge(uint32_t m, F a, F b) { return m & _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
 };
 template <> struct Lanes<16> {
+  using H = Lanes<8>;
   struct I { __m256i lo, hi; };
   struct F { __m256 lo, hi; };
-  static I load(const int32_t* p) { return {Lanes<8>::load(p), Lanes<8>::load(p + 8)}; }
-  static F load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
-  static F set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-  static I dp(I acc, I x, I w) { return {Avx2::dp(acc.lo, x.lo, w.lo), Avx2::dp(acc.hi, x.hi, w.lo)}; }
-  static F fma(I acc, F s, F a) { return {Avx2::fma(acc.lo, s.lo, a.lo), Avx2::fma(acc.hi, s.hi, a.hi)}; }
-  static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-  static F fmadd(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-  static F max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-  static F abs(F a) { return {Avx2::abs(a.lo), Avx2::abs(a.hi)}; }
-  static uint32_t gt(uint32_t m, F a, F b) { return m & (Avx2::cmp_gt(a.lo, b.lo) | Avx2::cmp_gt(a.hi, b.hi) << 8); }
-  static uint32_t ge(uint32_t m, F a, F b) { return m & (Avx2::cmp_ge(a.lo, b.lo) | Avx2::cmp_ge(a.hi, b.hi) << 8); }
-  static void store(float* p, F a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+  static I load(const int32_t* p) { return {H::load(p), H::load(p + 8)}; }
+  static F load(const float* p) { return {H::load(p), H::load(p + 8)}; }
+  static I set1(int32_t v) { return {H::set1(v), H::set1(v)}; }
+  static F set1(float v) { return {H::set1(v), H::set1(v)}; }
+  static I dp(I acc, I x, I w) { return {H::dp(acc.lo, x.lo, w.lo), H::dp(acc.hi, x.hi, w.lo)}; }
+  static F fma(I acc, F s, F a) { return {H::fma(acc.lo, s.lo, a.lo), H::fma(acc.hi, s.hi, a.hi)}; }
+  static F mul(F a, F b) { return {H::mul(a.lo, b.lo), H::mul(a.hi, b.hi)}; }
+  static F fmadd(F a, F b, F c) { return {H::fmadd(a.lo, b.lo, c.lo), H::fmadd(a.hi, b.hi, c.hi)}; }
+  static F max(F a, F b) { return {H::max(a.lo, b.lo), H::max(a.hi, b.hi)}; }
+  static F abs(F a) { return {H::abs(a.lo), H::abs(a.hi)}; }
+  static uint32_t gt(uint32_t m, F a, F b) { return m & (H::gt(0xff, a.lo, b.lo) | H::gt(0xff, a.hi, b.hi) << 8); }
+  static uint32_t ge(uint32_t m, F a, F b) { return m & (H::ge(0xff, a.lo, b.lo) | H::ge(0xff, a.hi, b.hi) << 8); }
+  static void store(float* p, F a) { H::store(p, a.lo), H::store(p + 8, a.hi); }
 };
 #endif
 
