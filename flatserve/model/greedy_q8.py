@@ -86,14 +86,14 @@ class Q8GreedyHead(BoundedHead):
         return self.sums.numel() * 2 + self.norms.numel() * 4 + few
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
+        if self.one_row is not None and x.shape[0] < AVX2_MIN_ROWS:  # avx2: its own checks and counts
+            return self.one_row(x)
         self.calls += 1
         ext = quant.kernel()
         if ext is None or not ext.has_greedy_q8() or not 1 <= x.shape[0] <= MAX_ROWS \
                 or not bool(torch.isfinite(x).all()):
             return self._full(x)  # NaN / inf: the bound means nothing there
         w8 = self.head.qweight0
-        if self.one_row is not None and x.shape[0] < AVX2_MIN_ROWS:  # avx2 build: its own counts
-            return self.one_row(x)
         if self.one_row is None and x.shape[0] <= FEW_ROWS:
             tokens, self.last_counts = ext.greedy_q4t_argmax(x.contiguous(), w8, self.copy_codes,
                                                              self.copy_scales, self.wmax)
