@@ -69,13 +69,18 @@ def cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
-# The C++ kernels' ISA levels, best first (flatserve/kernels.py has their compiler flags); each
-# needs the /proc/cpuinfo flags of the next level below it and its own.
-ISA_LEVELS = ("amx", "avx512", "avx2", "portable")
+# The C++ kernels' ISA levels, best first (flatserve/kernel_build.py has their compiler flags);
+# each needs the /proc/cpuinfo flags of the avx2 level and its own. avxvnni is AVX2 with the
+# VEX-encoded VNNI dot products (Intel Alder Lake and later client cores, AMD Zen 5): not a subset
+# of avx512 (Zen 4 has AVX512-VNNI, not AVX-VNNI), so a kernel with no build of its own there runs
+# its avx2 build (SERVED_BY).
+ISA_LEVELS = ("amx", "avx512", "avxvnni", "avx2", "portable")
 _AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"})
 _AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 _ISA_NEEDS = {"amx": _AVX512 | {"amx_tile", "amx_bf16", "amx_int8"}, "avx512": _AVX512,
-              "avx2": _AVX2, "portable": frozenset()}
+              "avxvnni": _AVX2 | {"avx_vnni"}, "avx2": _AVX2, "portable": frozenset()}
+SERVED_BY = {"avxvnni": "avx2"}  # a level -> the level whose build serves kernels that have none there
+AVX2_LEVELS = ("avxvnni", "avx2")  # 256-bit vectors only: the kernels' AVX2 code paths
 
 
 @functools.cache

@@ -9,11 +9,15 @@ A/Bs. The levels are feature sets, each a superset of the next:
 
   amx       AMX-BF16/INT8 tiles + AVX512-BF16 (Sapphire Rapids and later)
   avx512    AVX512F/BW/VL/DQ + AVX512-BF16 (AMD Zen 4, Cooper Lake)
+  avxvnni   avx2 + AVX-VNNI (Intel Alder Lake and later client cores, AMD Zen 5): only the
+            kernels that use its dot products build there (`CpuKernel(levels=...)`); the
+            others run their avx2 build (device.SERVED_BY)
   avx2      AVX2 + FMA + F16C + BMI2 (x86-64 of the last decade)
   portable  no ISA flags (x86-64 baseline, or whatever the compiler targets: aarch64)
 
 A source holds one code path per level under `#if defined(__AVX512F__)`-style guards, and its
-plain C++ path where a level has none of its own.
+plain C++ path where a level has none of its own. Each level's flags hold the avx2 level's; avx512
+and amx do not hold avxvnni's (Zen 4 has AVX512-VNNI but not the VEX-encoded AVX-VNNI).
 
 The cache: `<TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/flatserve/<name>-<key>/`, the
 key hashing the source and the shared headers it includes (`shared_headers`), the flags, the
@@ -46,6 +50,7 @@ from flatserve import device as dev
 log = logging.getLogger(__name__)
 
 LEVELS = dev.ISA_LEVELS  # best first
+BASE_LEVELS = tuple(lv for lv in LEVELS if lv not in dev.SERVED_BY)  # a kernel's levels by default
 _HEADERS = Path(__file__).parent / "csrc"  # cpu_math.h and the other shared headers
 
 
@@ -63,7 +68,7 @@ def level_flags(level: str, x86: bool | None = None) -> list[str]:
         return []  # portable only: the compiler's own target (aarch64: NEON is baseline)
     avx2 = ["-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"]
     avx512 = avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni"]
-    extra = {"portable": [], "avx2": avx2, "avx512": avx512,
+    extra = {"portable": [], "avx2": avx2, "avxvnni": avx2 + ["-mavxvnni"], "avx512": avx512,
              # No -mtune=sapphirerapids: with it GCC 12 compiled the decode kernel's 8-vector
              # pass to other bits than its 2-vector one (a verify row then differed from the
              # same row decoded alone, so speculation changed greedy answers); the amx level's
@@ -228,7 +233,7 @@ class CpuKernel:
     torch's dispatcher), so its one portable build serves every level."""
 
     def __init__(self, stem: str, source: str | Path, fallback: str,
-                 levels: tuple[str, ...] = LEVELS, level_free: bool = False) -> None:
+                 levels: tuple[str, ...] = BASE_LEVELS, level_free: bool = False) -> None:
         self.stem, self.source, self.fallback = stem, Path(source), fallback
         self.levels = ("portable",) if level_free else levels
         self.level_free = level_free
@@ -240,6 +245,8 @@ class CpuKernel:
         isa = isa or dev.cpu_isa()
         if self.level_free:
             return "portable"
+        if isa not in self.levels:
+            isa = dev.SERVED_BY.get(isa, isa)  # avxvnni: the avx2 build, where the kernel has none of its own
         return isa if isa in self.levels else None
 
     def name_at(self, level: str) -> str:

@@ -170,6 +170,13 @@ def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return _at_level(request.param, monkeypatch)
 
 
+@pytest.fixture(params=["amx", "avx512", "avxvnni", "avx2", "portable"])
+def quant_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """cpu_isa's levels and avxvnni, where the quantized linears' kernel has a build of its own
+    (AVX-VNNI's dot products; the other kernels run their avx2 build there)."""
+    return _at_level(request.param, monkeypatch)
+
+
 @pytest.fixture(params=["amx"])
 def amx_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The amx level, for the kernels that exist only there (prefill, AMX GEMM, greedy head)."""

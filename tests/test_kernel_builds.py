@@ -18,16 +18,19 @@ from flatserve import kernels
 
 
 def test_level_flags_are_explicit_and_nested() -> None:
-    """No -march=native anywhere; each x86 level's flags contain the level's below it; portable
-    is the x86-64 baseline, and off x86 no flags at all (aarch64 builds it)."""
+    """No -march=native anywhere; each x86 level's flags contain the level's below it (avxvnni
+    is avx2's plus AVX-VNNI, which avx512 and amx lack: Zen 4 has no AVX-VNNI); portable is the
+    x86-64 baseline, and off x86 no flags at all (aarch64 builds it)."""
     flags = {lv: kernels.level_flags(lv, x86=True) for lv in kernels.LEVELS}
     assert not any("native" in f for fl in flags.values() for f in fl)
     assert flags["portable"] == ["-march=x86-64"]
     assert {"-mavx2", "-mfma", "-mf16c", "-mbmi2"} <= set(flags["avx2"])
     assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni"} <= set(flags["avx512"])
     assert {"-mamx-tile", "-mamx-bf16", "-mamx-int8"} <= set(flags["amx"])
-    for lo, hi in [("portable", "avx2"), ("avx2", "avx512"), ("avx512", "amx")]:
+    for lo, hi in [("portable", "avx2"), ("avx2", "avxvnni"), ("avx2", "avx512"), ("avx512", "amx")]:
         assert set(flags[lo]) < set(flags[hi])
+    assert set(flags["avxvnni"]) - set(flags["avx2"]) == {"-mavxvnni"}
+    assert "-mavxvnni" not in flags["avx512"] + flags["amx"]
     assert kernels.level_flags("portable", x86=False) == []
     with pytest.raises(ValueError, match="unknown ISA level"):
         kernels.level_flags("sse9")
@@ -43,7 +46,7 @@ def test_the_level_is_the_best_the_cpu_runs_and_can_only_be_forced_down(monkeypa
     with pytest.raises(ValueError, match="this CPU runs only avx2, portable"):
         dev.cpu_isa()
     monkeypatch.setenv("FLATSERVE_CPU_ISA", "avx9")
-    with pytest.raises(ValueError, match="choose one of auto, amx, avx512, avx2, portable"):
+    with pytest.raises(ValueError, match="choose one of auto, amx, avx512, avxvnni, avx2, portable"):
         dev.cpu_isa()
 
 
@@ -59,19 +62,40 @@ def test_the_avx512_level_needs_vnni(monkeypatch) -> None:
         assert dev.cpu_isa_levels() == ("avx2", "portable")
         flags.add("avx512_vnni")
         dev.cpu_isa_levels.cache_clear()
-        assert dev.cpu_isa_levels() == ("avx512", "avx2", "portable")
+        assert dev.cpu_isa_levels() == ("avx512", "avx2", "portable")  # Zen 4: no AVX-VNNI
+        flags.add("avx_vnni")
+        dev.cpu_isa_levels.cache_clear()
+        assert dev.cpu_isa_levels() == ("avx512", "avxvnni", "avx2", "portable")  # Zen 5
+        flags.difference_update({"avx512f", "avx512_vnni"})
+        dev.cpu_isa_levels.cache_clear()
+        assert dev.cpu_isa_levels() == ("avxvnni", "avx2", "portable")  # Alder Lake
     finally:
         monkeypatch.undo()
         dev.cpu_isa_levels.cache_clear()
 
 
+def test_a_kernel_with_no_avxvnni_build_runs_its_avx2_one(monkeypatch) -> None:
+    """At avxvnni only the kernels listing it build there (the quantized linears); the others
+    load their avx2 build, and a kernel with no avx2 build (AMX only) has none."""
+    from flatserve.attention import cpu_backend
+    from flatserve.model import amx, quant
+
+    monkeypatch.setattr(dev, "cpu_isa", lambda: "avxvnni")
+    assert quant._ext.level() == "avxvnni" and quant._ext.name.endswith("_avxvnni")
+    assert cpu_backend.kernel.level() == "avx2" and cpu_backend.kernel.name.endswith("_avx2")
+    assert amx._ext.level() is None
+    assert ("flatserve_paged_decode_cpu", "avxvnni") not in kernels.jobs(["avxvnni", "avx2"])
+    assert ("flatserve_quant_gemm_cpu", "avxvnni") in kernels.jobs(["avxvnni", "avx2"])
+
+
 def test_this_cpus_levels_follow_its_flags() -> None:
-    """The detected levels are nested (a CPU that runs one runs every level below it) and always
-    end with portable; where /proc/cpuinfo lists AVX2's flags, avx2 is among them."""
+    """The detected levels are nested (a CPU that runs one runs every level below it, but
+    avxvnni, which only CPUs with AVX-VNNI run) and always end with portable; where /proc/cpuinfo
+    lists AVX2's flags, avx2 is among them."""
     levels = dev.cpu_isa_levels()
     assert levels[-1] == "portable"
     assert list(levels) == [lv for lv in dev.ISA_LEVELS if lv in levels]
-    order = list(dev.ISA_LEVELS)
+    order = [lv for lv in dev.ISA_LEVELS if lv != "avxvnni" or "avx_vnni" in dev._cpu_flags()]
     assert order[order.index(levels[0]):] == list(levels)
     if {"avx2", "fma", "f16c", "bmi2"} <= dev._cpu_flags():
         assert "avx2" in levels

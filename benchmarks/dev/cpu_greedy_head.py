@@ -48,10 +48,11 @@ def main() -> None:
     ap.add_argument("--few-rows", type=int, default=None,
                     help="greedy_q8.FEW_ROWS for this run: the copy's pass up to that many rows (at most 8)")
     ap.add_argument("--int8-from", type=int, default=None,
-                    help="greedy_q8.AVX2_MIN_ROWS for this run (avx2 build): the int8 pass from that many rows")
+                    help="greedy_q8.AVX2_MIN_ROWS for this run (avx2 and avxvnni builds): the int8 pass "
+                    "from that many rows")
     a = ap.parse_args()
     if a.int8_from is not None:
-        greedy_q8.AVX2_MIN_ROWS = a.int8_from
+        greedy_q8.AVX2_MIN_ROWS = dict.fromkeys(greedy_q8.AVX2_MIN_ROWS, a.int8_from)
     if a.few_rows is not None:
         from flatserve.model import greedy_q8 as g8
 
@@ -119,15 +120,15 @@ def main() -> None:
             full_t.append(t1 - t0)
             int8_t.append(t2 - t1)
             t3 = time.perf_counter()
-            one_row = getattr(greedy, "one_row", None)  # the avx2 build's greedy_q4 copy
-            if a.gguf and one_row is not None and m < greedy_q8.AVX2_MIN_ROWS:
+            one_row = getattr(greedy, "one_row", None)  # the AVX2 builds' greedy_q4 copy
+            if a.gguf and one_row is not None and m < greedy_q8.AVX2_MIN_ROWS[greedy.isa]:
                 _, cnt = greedy_q4_ext().greedy_q4_argmax(x, one_row.copy, head.qweight0, one_row.wmax)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
             elif a.gguf and hasattr(greedy, "copy_codes") and m <= greedy_q8.FEW_ROWS:  # rows in lanes
                 _, cnt = greedy_q4_ext().greedy_q4t_argmax(x, head.qweight0, greedy.copy_codes,
                                                            greedy.copy_scales, greedy.wmax)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
-            elif a.gguf and hasattr(greedy, "sums"):  # the int8 pass (avx512 and avx2 builds)
+            elif a.gguf and hasattr(greedy, "sums"):  # the int8 pass (avx512 and AVX2 builds)
                 _, cnt = greedy_q4_ext().greedy_q8_argmax(x, head.qweight0, greedy.sums, greedy.norms)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
             elif a.gguf:

@@ -140,8 +140,7 @@ inline void dot_u(const XPack& x, const uint8_t* row, const float* d, int64_t t0
       const __m256 db = _mm256_set1_ps(d[b + j]);
       for (int t = 0; t < MT; ++t) {
         const int16_t* xp = x.xq.data() + (t0 + t) * KP + 32 * (b + j);
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wa, qblocks::ld(xp)),
-                                           _mm256_madd_epi16(wb, qblocks::ld(xp + 16)));
+        const __m256i p = qblocks::madd2(wa, qblocks::ld(xp), wb, qblocks::ld(xp + 16));
         acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), db, acc[j][t]);
       }
     }

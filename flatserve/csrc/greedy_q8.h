@@ -41,9 +41,12 @@ namespace flatserve::greedy_q8 {
 // int16 pair sums saturate past 32767, so x goes as c + 64 with c in [-63, 63] (pairs
 // |2 x 127 x 128| = 32512), then vpmaddwd by ones and vpaddd: 3 instructions for 32 products where
 // the head's int16 dot spends ~9 per 32 with its per-block scaling (quant_gemm_cpu.cpp dot_src).
-// The bound is the same formula with this E (twice VNNI's for the same x).
+// The bound is the same formula with this E (twice VNNI's for the same x). AVX-VNNI (the avxvnni
+// level: 256-bit vpdpbusd, no AVX-512) takes VNNI's codes in AVX2's lanes.
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FLATSERVE_GREEDY_Q8_VNNI 1
+#endif
+#if defined(FLATSERVE_GREEDY_Q8_VNNI) || defined(__AVXVNNI__)
 constexpr int kCodeMax = 127, kOffset = 128;
 #else
 constexpr int kCodeMax = 63, kOffset = 64;
@@ -135,10 +138,14 @@ template <> struct Lanes<8> : Ymm {
 #else
 // AVX2: 8 lanes in one ymm; 16 as two ymm (one broadcast of the row's codes serves both halves).
 template <> struct Lanes<8> : Ymm {
+#if defined(__AVXVNNI__)
+  static I dp(I acc, I x, I w) { return _mm256_dpbusd_avx_epi32(acc, x, w); }  // x in [1, 255]
+#else
   static I dp(I acc, I x, I w) {
     const I p = _mm256_maddubs_epi16(x, w);  // x in [1, 127]: no saturation
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
   }
+#endif
   static uint32_t gt(uint32_t m, F a, F b) { return m & _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
   static uint32_t ge(uint32_t m, F a, F b) { return m & _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
 };

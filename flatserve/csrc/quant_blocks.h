@@ -167,6 +167,16 @@ inline __m256i bits_to_0x10(uint32_t bits) {  // bit i -> byte i = 0x10 or 0
 }
 inline void st(int8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 inline __m256i ld(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// a . x + b . y in int32 pair sums (vpmaddwd twice and vpaddd; with AVX-VNNI the second multiply
+// and the add are one vpdpwssd). The same integers either way: callers keep each lane below 2^24.
+__attribute__((always_inline)) inline __m256i madd2(__m256i a, __m256i x, __m256i b, __m256i y) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(a, x), b, y);
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(a, x), _mm256_madd_epi16(b, y));
+#endif
+}
 #endif
 
 // One stored block -> its values' codes v, 16-value scales sc and 32-value offsets mn.

@@ -43,6 +43,7 @@ import time
 import torch
 from torch import nn
 
+from flatserve import device as dev
 from flatserve import kernels
 from flatserve.model import quant
 from flatserve.model.qformats import FORMATS
@@ -73,7 +74,7 @@ def quantize_q4(q8: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
 
 def eligible(head: nn.Module) -> bool:
     """A QuantLinear LM head of one Q8_0 segment, no bias, no act-order permutation, whose
-    kernel is the AVX2 build. The portable build keeps the full head (its scalar pass would be
+    kernel is an AVX2 build (avx2, avxvnni). The portable build keeps the full head (its scalar pass would be
     slower than the head it saves), and so do the avx512 and amx builds: their full head at one
     row (rows16, csrc/quant_rows.h) took 11.3-13.7 ms against the pass's 11.6-14.1 on the default
     model (`benchmarks/dev/cpu_greedy_head.py --gguf --rows 1`, 2-core Xeon with AMX, 2026-11-27),
@@ -82,7 +83,7 @@ def eligible(head: nn.Module) -> bool:
     if not isinstance(head, quant.QuantLinear) or head.bias is not None or head.perm.numel():
         return False
     ext = quant.kernel()
-    return head.fmts == [Q8_0] and ext is not None and ext.isa() == "avx2"
+    return head.fmts == [Q8_0] and ext is not None and ext.isa() in dev.AVX2_LEVELS
 
 
 class BoundedHead(nn.Module):

@@ -33,7 +33,7 @@ log = logging.getLogger("flatserve")
 
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "quant_gemm_cpu.cpp"
 _ext = CpuKernel("flatserve_quant_gemm_cpu", _SRC,
-                  "quantized linears dequantize slices in torch")
+                  "quantized linears dequantize slices in torch", levels=dev.ISA_LEVELS)  # avxvnni too
 SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
 # Prompt tokens' rows (and, outside a step, calls of PROMPT_ROWS rows or more): the kernel
 # dequantizes up to DENSE_BYTES of fp32 weight rows at a time (C++, the reference's bits; every

@@ -70,7 +70,7 @@ def _decode_copy(copy: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torc
 
 
 @pytest.mark.parametrize("k", [640, 96])  # the default model's K, and an odd number of blocks
-def test_copy_errs_at_most_half_a_step(k: int, cpu_isa: str) -> None:
+def test_copy_errs_at_most_half_a_step(k: int, quant_isa: str) -> None:
     require_kernel(quant._ext)
     n = 200
     w = _weights(n, k)
@@ -85,7 +85,7 @@ def test_copy_errs_at_most_half_a_step(k: int, cpu_isa: str) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_tokens_equal_the_quantized_head_argmax(rows: int, cpu_isa: str, monkeypatch) -> None:
+def test_tokens_equal_the_quantized_head_argmax(rows: int, quant_isa: str, monkeypatch) -> None:
     require_kernel(quant._ext)
     monkeypatch.setattr(greedy_q4, "MAX_ROWS", 16)  # the kernel's whole range, not the served one
     n, k = 64 * random.randint(40, 120), random.choice([640, 96])
@@ -107,7 +107,7 @@ def test_tokens_equal_the_quantized_head_argmax(rows: int, cpu_isa: str, monkeyp
     assert greedy.fallbacks == 0 and (greedy.last_counts >= 1).all()
 
 
-def test_ties_one_code_step_apart(cpu_isa: str, monkeypatch) -> None:
+def test_ties_one_code_step_apart(quant_isa: str, monkeypatch) -> None:
     """Copies of the winning row with one Q8_0 code moved by one step: logits equal or one
     product apart, often equal after the head's bf16 rounding; the first maximum must win."""
     require_kernel(quant._ext)
@@ -128,7 +128,7 @@ def test_ties_one_code_step_apart(cpu_isa: str, monkeypatch) -> None:
     assert greedy.fallbacks == 0
 
 
-def test_non_finite_rows_and_large_calls_take_the_head(cpu_isa: str) -> None:
+def test_non_finite_rows_and_large_calls_take_the_head(quant_isa: str) -> None:
     require_kernel(quant._ext)
     n, k = 64 * 20, 640
     head = _head(_weights(n, k))
@@ -141,7 +141,7 @@ def test_non_finite_rows_and_large_calls_take_the_head(cpu_isa: str) -> None:
 
 
 @pytest.mark.parametrize("pass_ms", [1.0, 3.0])  # against the head's 2.0: faster, slower
-def test_served_head_times_both_paths_then_keeps_the_faster(pass_ms: float, cpu_isa: str) -> None:
+def test_served_head_times_both_paths_then_keeps_the_faster(pass_ms: float, quant_isa: str) -> None:
     """The served head's trial (for_model): its first one-row calls alternate pass and full head,
     each timed (here by a fake clock), with the head's tokens throughout; then the pass stays
     where it was faster, else the copy is freed and the head answers."""
@@ -173,11 +173,11 @@ def test_served_head_times_both_paths_then_keeps_the_faster(pass_ms: float, cpu_
     assert readings[0] == 4 * greedy_q4.TRIAL  # no timing after the choice
 
 
-def test_only_a_plain_q8_0_head_on_the_avx2_build_is_eligible(cpu_isa: str, monkeypatch) -> None:
+def test_only_a_plain_q8_0_head_on_an_avx2_build_is_eligible(quant_isa: str, monkeypatch) -> None:
     n, k = 64, 640
     head = _head(_weights(n, k))
     ext = quant.kernel()
-    assert eligible(head) == (ext is not None and ext.isa() == "avx2")
+    assert eligible(head) == (ext is not None and ext.isa() in ("avxvnni", "avx2"))
     q6 = quant.QuantLinear(256, {"": (n, FORMATS["q6_k"])})
     assert not eligible(q6)
     head.bias = torch.nn.Parameter(torch.zeros(n))
@@ -193,8 +193,8 @@ def test_default_model_greedy_tokens_with_and_without_the_head(default_model_pat
     llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
               greedy_int8_head=False)
     runner = llm.engine.runner
-    served = greedy_q8.for_model(runner.model, runner.cfg)  # at avx2 with this copy for one row
-    if quant.kernel().isa() == "avx2":
+    served = greedy_q8.for_model(runner.model, runner.cfg)  # at avx2, avxvnni with this copy for one row
+    if quant.kernel().isa() in ("avxvnni", "avx2"):
         assert served.one_row is not None and served.one_row.times is not None  # on trial first
     head = Q4GreedyHead(runner.model.lm_head)  # the pass itself at this level
     same_tokens_through(llm, head, ["The capital of France is", "def fib(n):", "Once upon a time",

@@ -1,5 +1,5 @@
 """The greedy passes on a Q8_0 LM head (flatserve/model/greedy_q8.py) at the ISA levels whose
-build has them (AVX-512 VNNI: avx512, amx; the int8 pass in its AVX2 form at avx2): the
+build has them (AVX-512 VNNI: avx512, amx; the int8 pass in its AVX2 forms at avxvnni, avx2): the
 int8-activation pass (greedy_q8.h) and the 4-bit copy with rows in the lanes (greedy_q4t.h, VNNI
 levels), each forced over its kernel's whole row range (`PASSES`, AVX2_MIN_ROWS).
 A token is `row_argmax(head(x))` of the quantized head itself, bit for bit (ties to the first
@@ -30,14 +30,15 @@ def _ext(pass_: str = "int8") -> object:
     ext = require_kernel(quant._ext)
     if not ext.has_greedy_q8():
         pytest.skip(f"the {ext.isa()} build has no AVX2, where the int8 pass lives")
-    if pass_ == "copy" and ext.isa() == "avx2":
+    if pass_ == "copy" and ext.isa() in ("avxvnni", "avx2"):
         pytest.skip("the rows-in-lanes copy is built at the AVX-512 VNNI levels only (avx2: greedy_q4's)")
     return ext
 
 
-@pytest.fixture(params=["amx", "avx512", "avx2"])
+@pytest.fixture(params=["amx", "avx512", "avxvnni", "avx2"])
 def pass_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The levels whose build has the int8 pass: VNNI (amx, avx512) and AVX2's vpmaddubsw form."""
+    """The levels whose build has the int8 pass: VNNI (amx, avx512; avxvnni in ymm) and AVX2's
+    vpmaddubsw form."""
     from tests.conftest import _at_level
 
     return _at_level(request.param, monkeypatch)
@@ -45,8 +46,9 @@ def pass_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.fixture(autouse=True)
 def _int8_from_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At avx2 the int8 pass over its whole range (the served one starts at AVX2_MIN_ROWS)."""
-    monkeypatch.setattr(greedy_q8, "AVX2_MIN_ROWS", 1)
+    """At avx2 and avxvnni the int8 pass over its whole range (the served one starts at
+    AVX2_MIN_ROWS)."""
+    monkeypatch.setattr(greedy_q8, "AVX2_MIN_ROWS", dict.fromkeys(greedy_q8.AVX2_MIN_ROWS, 1))
 
 
 @pytest.mark.parametrize("k", [640, 96])
@@ -83,7 +85,7 @@ def test_tokens_equal_the_quantized_head_argmax(pass_: str, rows: int, pass_isa:
         assert torch.equal(greedy(xd), ref), dtype
     assert greedy.fallbacks == 0 and (greedy.last_counts >= 1).all()
     counts = greedy.last_counts
-    if pass_ == "int8" and pass_isa != "avx2":
+    if pass_ == "int8" and pass_isa != "avx2":  # 8-bit x (VNNI, avxvnni included)
         assert (counts < n // 4).all(), counts  # the pass does prune
     elif pass_ == "int8":  # 7-bit x at avx2, twice the error: over 180 calls of this test's kind
         # (2026-11-28) a token kept at most 39% of the rows and a call at most 19% on average
@@ -189,18 +191,18 @@ def test_the_copy_is_greedy_q4s_codes_in_lanes(k: int, pass_isa: str) -> None:
     assert (c[n:] == 0).all() and (d[n:] == 0).all()
 
 
-def test_served_on_the_avx512_and_avx2_builds(cpu_isa: str) -> None:
-    """The start-up's choice by level (engine/startup.py _greedy_head): the int8 pass at avx512
-    and avx2 (there with greedy_q4's copy for one row, on trial), none at amx (its tiles' head)
-    and portable."""
+def test_served_on_the_avx512_and_avx2_builds(quant_isa: str) -> None:
+    """The start-up's choice by level (engine/startup.py _greedy_head): the int8 pass at avx512,
+    avxvnni and avx2 (the last two with greedy_q4's copy for one row, on trial), none at amx (its
+    tiles' head) and portable."""
     from flatserve.engine.startup import _greedy_head
 
     model = torch.nn.Module()
     model.lm_head = _head(_weights(64, 640))
     got = _greedy_head(model, object(), "torch", None)
     isa = quant.kernel().isa() if quant.kernel() is not None else "none"
-    assert type(got).__name__ == {"avx512": "Q8GreedyHead", "avx2": "Q8GreedyHead"}.get(isa, "NoneType")
-    if isa == "avx2":
+    assert type(got).__name__ == ("Q8GreedyHead" if isa in ("avx512", "avxvnni", "avx2") else "NoneType")
+    if isa in ("avxvnni", "avx2"):
         assert got.one_row is not None and got.one_row.times is not None  # the one-row trial
     assert _greedy_head(model, object(), "torch", False) is None  # --no-greedy-int8-head
 
@@ -215,7 +217,7 @@ def test_default_model_greedy_tokens_with_and_without_the_pass(default_model_pat
     llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
               greedy_int8_head=False)
     served = greedy_q8.for_model(llm.engine.runner.model, llm.engine.runner.cfg)
-    assert (served is not None) == (quant.kernel().isa() in ("avx512", "avx2"))
+    assert (served is not None) == (quant.kernel().isa() in ("avx512", "avxvnni", "avx2"))
     same_tokens_through(llm, Q8GreedyHead(llm.engine.runner.model.lm_head),
                         ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,",
                          "Dear Sir,"])

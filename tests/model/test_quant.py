@@ -61,7 +61,7 @@ def test_activation_codes_match_torch_bit_for_bit(dtype) -> None:
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 16, quant.PROMPT_ROWS - 1])  # decode sizes, a tile remainder
-def test_kernel_matches_reference_on_its_int16_activations(name, rows, cpu_isa) -> None:
+def test_kernel_matches_reference_on_its_int16_activations(name, rows, quant_isa) -> None:
     """At every ISA level this CPU runs (the AVX2 build and the portable C++)."""
     rng = random.Random()
     k = rng.choice([256, 512, 1024])
@@ -105,7 +105,7 @@ def test_zero_rows_and_the_packed_op() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_prompt_rows_dequantize_in_cpp_with_the_references_bits(name, cpu_isa) -> None:
+def test_prompt_rows_dequantize_in_cpp_with_the_references_bits(name, quant_isa) -> None:
     """From PROMPT_ROWS rows on: C++ dequantized slices (bit-equal to the torch reference, and in
     bf16 to its rounding, at every ISA level: AVX-512 has a vector loop) and the dense GEMM on
     float activations."""
@@ -230,7 +230,7 @@ def test_each_row_takes_its_path_whatever_shares_the_step() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "q5_0"])
-def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(name, cpu_isa) -> None:
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(name, quant_isa) -> None:
     """Each path row by row: a row's int16 codes and outputs, and its float-GEMM output, are the
     same bits whatever the call's row count or the row's place in it. Both failed before
     2026-11-26: quantize_act's threaded copy (M > 16) contracted the residual into an FMA that

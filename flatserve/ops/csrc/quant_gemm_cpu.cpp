@@ -87,7 +87,7 @@ void dot_src(Row& w, const Acts& a, int64_t m0, bool mins, float* out) {
     const __m256i wb = _mm256_srai_epi16(_mm256_unpackhi_epi8(wv, wv), 8);
     for (int t = 0; t < MT; ++t) {
       const int16_t* x = xq[t] + 32 * b;
-      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wa, ld(x)), _mm256_madd_epi16(wb, ld(x + 16)));
+      const __m256i p = madd2(wa, ld(x), wb, ld(x + 16));
       // lanes 0-3: values 0-15, lanes 4-7: values 16-31 (ACT_ORDER), as scv's scales
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scv, _mm256_set1_ps(xd[t][b])), acc[t]);
     }
@@ -545,6 +545,9 @@ std::string isa() {
 #endif
 #if defined(__AVX512BW__)
   return "avx512";
+#endif
+#if defined(__AVXVNNI__)
+  return "avxvnni";
 #endif
   return QG_AVX2 ? "avx2" : "portable";
 }
