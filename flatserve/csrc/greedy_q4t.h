@@ -1,18 +1,21 @@
-// The quantized LM head's greedy candidate pass for a few tokens on AVX-512 (flatserve/model/
-// greedy_q8.py says where it runs): greedy_q4.h's 4-bit copy of the head (the same codes c and
-// scales d: quantize_block), laid out with 16 head rows in the lanes, dotted with the head's own
-// int16 activation codes q (scale xd_b per 32 values: xr = xd q exactly). Why: at one token
-// greedy_q8.h's lanes are tokens, so 15 of 16 idle, and the head itself (rows16) takes 6.3-6.7 ms
-// at one row where the 2-core Zen 4 reads its 178 MB in ~3.7 ms (48 GB/s; benchmarks/dev/
-// cpu_greedy_head.py --gguf prints both): arithmetic bounds it (by our reading, sum16v's shuffle
-// tree a block). The copy is 94 MB and needs no horizontal sum: a
-// lane is a row from the first block to the last.
+// The quantized LM head's greedy candidate pass for a few tokens (flatserve/model/greedy_q4.py
+// and greedy_q8.py say where it runs): a 4-bit copy of the head (codes c in [-7, 7], one fp16
+// scale d per 32 weights: greedy_q4.h's quantize_block), laid out with 16 head rows in the
+// vector lanes (one zmm with AVX-512 VNNI; two ymm at the AVX2 levels, V16 below), dotted with the
+// head's own int16 activation codes q (scale xd_b per 32 values: xr = xd q exactly). Why: at one
+// token greedy_q8.h's lanes are tokens, so all but one idle, and the head itself (rows16) takes
+// 6.3-6.7 ms at one row where the 2-core Zen 4 reads its 178 MB in ~3.7 ms (48 GB/s;
+// benchmarks/dev/cpu_greedy_head.py --gguf prints both): arithmetic bounds it (by our reading,
+// sum16v's shuffle tree a block). The copy is 94 MB and needs no horizontal sum: a lane is a row
+// from the first block to the last. A row-major copy (a row's blocks in a register, a horizontal
+// sum a row) served the avx2 level until 2026-11-28: 5.5 ms at one row against this layout's 2.3-
+// 2.8 on a 2-core Zen 5 forced to avx2 / avxvnni.
 //
 //   A_n = sum_b d_nb xd_b (u_nb . q_b - 8 sum q_b)      u = c + 8 (unsigned nibbles)
 //   |head(x)_n - A_n| <= sum_b d_nb |xr_b|_1 / 2 + slack =: B_n
 //
 // since head(x)_n - A_n = (W - W4) . xr up to the fp32 rounding of both dots (`slack`: greedy_q4.h's
-// pack_x bound, which covers these terms, each at most wmax |xr|). x is not requantized: int8
+// bound, which covers these terms, each at most wmax |xr|). x is not requantized: int8
 // codes (as greedy_q8.h's) add |W4_n|_1 E to the bound, and on the default model's hidden states
 // (outlier channels ~22x the mean) a version built that way kept ~13k candidate rows a token
 // against ~3k (2026-11-28, measured once with a scratch script; not kept). The first
@@ -35,7 +38,7 @@
 #include "greedy_q4.h"
 #include "quant_blocks.h"
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define FLATSERVE_GREEDY_Q4T 1
 #include <immintrin.h>
 
@@ -44,6 +47,72 @@ namespace flatserve::greedy_q4t {
 using greedy_q4::kMaxTokens;
 using greedy_q4::Part;
 using greedy_q4::tie_margin;
+
+// The 16 lanes' operations: one zmm (AVX-512 VNNI), or two ymm at the AVX2 levels (lanes 0-7 and
+// 8-15 of the same layout), whose dp is 256-bit vpdpwssd with AVX-VNNI, else vpmaddwd + vpaddd
+// (the same exact int32). Each lane's operations are the same at every level.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+struct V16 {
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  template <int S> static I srli(I a) { return _mm512_srli_epi32(a, S); }
+  static I dp(I acc, I u, I x) { return _mm512_dpwssd_epi32(acc, u, x); }
+  static F scales(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F abs(F a) { return _mm512_abs_ps(a); }
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+  static uint32_t gt(uint32_t m, F a, F b) { return _mm512_mask_cmp_ps_mask(m, a, b, _CMP_GT_OQ); }
+  static uint32_t ge(uint32_t m, F a, F b) { return _mm512_mask_cmp_ps_mask(m, a, b, _CMP_GE_OQ); }
+};
+#else
+struct V16 {
+  struct I { __m256i lo, hi; };
+  struct F { __m256 lo, hi; };
+  static __m256i ld(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I load(const uint8_t* p) { return {ld(p), ld(p + 32)}; }
+  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+  static I and_(I a, I b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+  template <int S> static I srli(I a) { return {_mm256_srli_epi32(a.lo, S), _mm256_srli_epi32(a.hi, S)}; }
+  static __m256i dp8(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, u, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(u, x));
+#endif
+  }
+  static I dp(I acc, I u, I x) { return {dp8(acc.lo, u.lo, x.lo), dp8(acc.hi, u.hi, x.hi)}; }
+  static F scales(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  static F cvt(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+  static F set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+  static F zero() { return set1(0.f); }
+  static F add(F a, F b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+  static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  static F fmadd(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static F abs(F a) {
+    const __m256 m = _mm256_set1_ps(-0.f);
+    return {_mm256_andnot_ps(m, a.lo), _mm256_andnot_ps(m, a.hi)};
+  }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+  static uint32_t cmp(uint32_t m, F a, F b, bool ge) {
+    const __m256 lo = ge ? _mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ) : _mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ);
+    const __m256 hi = ge ? _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ) : _mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ);
+    return m & (static_cast<uint32_t>(_mm256_movemask_ps(lo)) | static_cast<uint32_t>(_mm256_movemask_ps(hi)) << 8);
+  }
+  static uint32_t gt(uint32_t m, F a, F b) { return cmp(m, a, b, false); }
+  static uint32_t ge(uint32_t m, F a, F b) { return cmp(m, a, b, true); }
+};
+#endif
 
 constexpr int kMaxRows = 8;  // tokens a call
 
@@ -109,40 +178,42 @@ inline void pack_x(const int16_t* q, const float* d, int64_t M, int64_t K, doubl
 // (|c . q| <= 32 x 7 x 32639 < 2^23; each pair product <= 15 x 32639).
 template <int MT>
 inline void group_ab(const XPackT& x, const uint8_t* codes, const uint16_t* scales, const float* xd, int64_t K,
-                     int64_t g, __m512 A[MT], __m512 Bw[MT], qblocks::Prefetch& pf) {
-  const __m512i m4 = _mm512_set1_epi32(0x000F000F);
-  for (int t = 0; t < MT; ++t) A[t] = Bw[t] = _mm512_setzero_ps();
+                     int64_t g, V16::F A[MT], V16::F Bw[MT], qblocks::Prefetch& pf) {
+  using V = V16;
+  const V::I m4 = V::set1(0x000F000F);
+  for (int t = 0; t < MT; ++t) A[t] = Bw[t] = V::zero();
   for (int64_t b = 0; b < x.nb; ++b) {
     pf.step();
     const uint8_t* cb = codes + (g * x.nb + b) * 256;
-    __m512i u[16];  // pair p of vector j: values 8j + 2p, 8j + 2p + 1
+    V::I u[16];  // pair p of vector j: values 8j + 2p, 8j + 2p + 1
     for (int j = 0; j < 4; ++j) {
-      const __m512i z = _mm512_loadu_si512(cb + 64 * j);
-      u[4 * j] = _mm512_and_si512(z, m4);
-      u[4 * j + 1] = _mm512_and_si512(_mm512_srli_epi32(z, 4), m4);
-      u[4 * j + 2] = _mm512_and_si512(_mm512_srli_epi32(z, 8), m4);
-      u[4 * j + 3] = _mm512_and_si512(_mm512_srli_epi32(z, 12), m4);
+      const V::I z = V::load(cb + 64 * j);
+      u[4 * j] = V::and_(z, m4);
+      u[4 * j + 1] = V::and_(V::srli<4>(z), m4);
+      u[4 * j + 2] = V::and_(V::srli<8>(z), m4);
+      u[4 * j + 3] = V::and_(V::srli<12>(z), m4);
     }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * x.nb + b) * 16)));
+    const V::F dv = V::scales(scales + (g * x.nb + b) * 16);
     for (int t = 0; t < MT; ++t) {
       const int32_t* xw = x.xw.data() + (t * x.nb + b) * 16;
-      __m512i acc = _mm512_set1_epi32(x.off[t * x.nb + b]);
-      for (int p = 0; p < 16; ++p) acc = _mm512_dpwssd_epi32(acc, u[p], _mm512_set1_epi32(xw[p]));
-      A[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dv, _mm512_set1_ps(xd[t * (K / 32) + b])), A[t]);
-      Bw[t] = _mm512_fmadd_ps(dv, _mm512_set1_ps(x.h[t * x.nb + b]), Bw[t]);
+      V::I acc = V::set1(x.off[t * x.nb + b]);
+      for (int p = 0; p < 16; ++p) acc = V::dp(acc, u[p], V::set1(xw[p]));
+      A[t] = V::fmadd(V::cvt(acc), V::mul(dv, V::set1(xd[t * (K / 32) + b])), A[t]);
+      Bw[t] = V::fmadd(dv, V::set1(x.h[t * x.nb + b]), Bw[t]);
     }
   }
 }
 
-// Groups g0..g1: as greedy_q4::rows (a row whose A is the best so far is scored exactly by
+// Groups g0..g1: (greedy_q4.h: a row whose A is the best so far is scored exactly by
 // `exact(n, t)`; every row whose U = A + B reaches v less the tie margin is kept), 16 rows a step.
 template <int MT, typename Exact>
 void rows_t(const XPackT& x, const uint8_t* codes, const uint16_t* scales, const float* xd, int64_t K, int64_t N,
             int64_t g0, int64_t g1, Exact&& exact, Part& out) {
+  using V = V16;
   float bestA[kMaxTokens];
   for (int t = 0; t < kMaxTokens; ++t) out.v[t] = bestA[t] = -INFINITY;
   qblocks::Prefetch pf;
-  __m512 A[MT], Bw[MT];
+  V::F A[MT], Bw[MT];
   for (int64_t g = g0; g < g1; ++g) {
     if (g + 1 < g1) pf.spread(codes + (g + 1) * x.nb * 256, x.nb * 256, x.nb);
     group_ab<MT>(x, codes, scales, xd, K, g, A, Bw, pf);
@@ -150,13 +221,13 @@ void rows_t(const XPackT& x, const uint8_t* codes, const uint16_t* scales, const
     for (int t = 0; t < MT; ++t) {
       // B: Bw's own fp32 sum ((nb + 3) 2^-24 relative, under 2^-15 for nb <= 512) rounded up,
       // then U's additions rounded up
-      const __m512 B = _mm512_fmadd_ps(Bw[t], _mm512_set1_ps(0x1p-14f), Bw[t]);
-      __m512 U = _mm512_add_ps(_mm512_add_ps(A[t], B), _mm512_set1_ps(x.slack[t]));
-      U = _mm512_fmadd_ps(_mm512_abs_ps(U), _mm512_set1_ps(0x1p-20f), U);
+      const V::F B = V::fmadd(Bw[t], V::set1(0x1p-14f), Bw[t]);
+      V::F U = V::add(V::add(A[t], B), V::set1(x.slack[t]));
+      U = V::fmadd(V::abs(U), V::set1(0x1p-20f), U);
       alignas(64) float a[16], uv[16];
-      _mm512_store_ps(a, A[t]);
-      _mm512_store_ps(uv, U);
-      for (uint32_t m = _mm512_mask_cmp_ps_mask(live, A[t], _mm512_set1_ps(bestA[t]), _CMP_GT_OQ); m; m &= m - 1) {
+      V::store(a, A[t]);
+      V::store(uv, U);
+      for (uint32_t m = V::gt(live, A[t], V::set1(bestA[t])); m; m &= m - 1) {
         const int r = __builtin_ctz(m);
         if (a[r] > bestA[t]) {
           bestA[t] = a[r];
@@ -164,7 +235,7 @@ void rows_t(const XPackT& x, const uint8_t* codes, const uint16_t* scales, const
         }
       }
       const float thr = out.v[t] - tie_margin(out.v[t]);
-      for (uint32_t m = _mm512_mask_cmp_ps_mask(live, U, _mm512_set1_ps(thr), _CMP_GE_OQ); m; m &= m - 1) {
+      for (uint32_t m = V::ge(live, U, V::set1(thr)); m; m &= m - 1) {
         const int r = __builtin_ctz(m);
         out.cand[t].push_back({static_cast<int32_t>(16 * g + r), uv[r]});
       }

@@ -10,7 +10,7 @@
 //
 // since sum_k |W_nk| |xr_k - s c_k| <= |W_n|_1 E. slack covers fp32 rounding of both dots: each
 // term of either rounds at most nb + 5 times and is at most sum_k |W_nk| (|xr_k| + E), so
-// (nb + 16) 2^-22 (xmax + E) covers the two (as greedy_q4.h's). One |W_n|_1 a row (R, 4 bytes),
+// (nb + 16) 2^-22 (xmax + E) covers the two (as greedy_q4.h's slack). One |W_n|_1 a row (R, 4 bytes),
 // not a bound per block: on the default model's real hidden states ~60 rows a token (max 112) of
 // 262k are rescored (benchmarks/dev/cpu_greedy_head.py --gguf, 2026-11-28), a negligible share of
 // the head's work.
@@ -196,7 +196,7 @@ inline void dot_rows(const XPack8& x, const uint8_t* w, int64_t rb, const int16_
   }
 }
 
-// Rows n0..n1: as greedy_q4::rows (v from the rows whose A is the best so far, scored exactly by
+// Rows n0..n1: as greedy_q4.h says (v from the rows whose A is the best so far, scored exactly by
 // `exact(n, t)`; every row whose U = A + B reaches v less the tie margin kept), G rows a step.
 template <int L, typename Exact>
 void rows(const XPack8& x, const uint8_t* w, int64_t rb, const int16_t* S, const float* R, int64_t n0, int64_t n1,

@@ -62,23 +62,6 @@ std::vector<at::Tensor> greedy_argmax(const at::Tensor& x, const at::Tensor& w8,
   return {tokens, counts};
 }
 
-// The 4-bit copy's pass (flatserve/csrc/greedy_q4.h, model/greedy_q4.py): copy [N, 18 nbp] (nbp:
-// K / 32 rounded up to even); wmax >= every |w| of the head and of the copy.
-std::vector<at::Tensor> greedy_q4_argmax(const at::Tensor& x, const at::Tensor& copy, const at::Tensor& w8,
-                                         double wmax) {
-  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0), nbp = (K / 32 + 1) / 2 * 2;
-  TORCH_CHECK(copy.dim() == 2 && copy.scalar_type() == at::kByte && copy.is_contiguous() &&
-              copy.size(0) == N && copy.size(1) == 18 * nbp, "greedy_q4_argmax: copy [N, 18 nbp] uint8");
-  return greedy_argmax(x, w8, "greedy_q4_argmax", [&](const Acts& ac, auto& exact, auto& parts) {
-    greedy_q4::XPack xp;
-    greedy_q4::pack_x(ac.q, ac.d, M, K, wmax, xp);
-    const int64_t P = static_cast<int64_t>(parts.size());
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        greedy_q4::rows(xp, copy.data_ptr<uint8_t>(), copy.size(1), N * p / P, N * (p + 1) / P, exact, parts[p]);
-    });
-  });
-}
 
 // The int8 pass on the head's own codes (flatserve/csrc/greedy_q8.h, model/greedy_q8.py): S [N, K
 // / 32] int16 and R [N] fp32 from greedy_q8_prep. The avx512 build (VNNI) and the avx2 one.
@@ -140,7 +123,7 @@ std::vector<at::Tensor> greedy_q4t_argmax(const at::Tensor& x, const at::Tensor&
     });
   });
 #else
-  TORCH_CHECK(false, "greedy_q4t_argmax: this build has no AVX-512 VNNI");
+  TORCH_CHECK(false, "greedy_q4t_argmax: this build has no AVX2");
 #endif
 }
 
@@ -160,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor, double> greedy_q4t_copy(const at::Tensor& w8,
     }
   });
 #else
-  TORCH_CHECK(false, "greedy_q4t_copy: this build has no AVX-512 VNNI");
+  TORCH_CHECK(false, "greedy_q4t_copy: this build has no AVX2");
 #endif
   return {codes, scales, *std::max_element(wmax.begin(), wmax.end())};
 }
@@ -189,16 +172,3 @@ bool has_greedy_q8() {
 #endif
 }
 
-// Q8_0 rows [N, K / 32 * 34] -> (the 4-bit copy [N, 18 nbp] uint8, wmax): greedy_q4.h.
-std::tuple<at::Tensor, double> greedy_q4_copy(const at::Tensor& w8, int64_t K) {
-  const int64_t N = w8.size(0), nb = K / 32, nbp = (nb + 1) / 2 * 2;
-  TORCH_CHECK(w8.dim() == 2 && w8.scalar_type() == at::kByte && w8.is_contiguous() && K % 32 == 0 &&
-              w8.size(1) == nb * 34, "greedy_q4_copy: Q8_0 rows [N, K / 32 * 34]");
-  at::Tensor copy = at::empty({N, 18 * nbp}, w8.options());
-  std::vector<double> wmax(std::max<int64_t>(1, N / 4096 + 1), 0.0);
-  at::parallel_for(0, N, 4096, [&](int64_t n0, int64_t n1) {
-    double& m = wmax[n0 / 4096];
-    m = std::max(m, greedy_q4::quantize_rows(w8.data_ptr<uint8_t>(), n0, n1, nb, copy.data_ptr<uint8_t>()));
-  });
-  return {copy, *std::max_element(wmax.begin(), wmax.end())};
-}

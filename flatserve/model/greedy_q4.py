@@ -2,7 +2,7 @@
 
 Why: at one request a decode step of the default GGUF spends ~12.5 ms of ~30 reading the tied
 Q8_0 head (262k x 640, 178 MB at the ~13 GB/s a 2-core EPYC copies). For greedy rows only the
-argmax matters, so the candidate pass (flatserve/csrc/greedy_q4.h) reads a 4-bit copy instead
+argmax matters, so the candidate pass (flatserve/csrc/greedy_q4t.h) reads a 4-bit copy instead
 (one fp16 scale per 32 weights, 94 MB) and keeps the rows that could hold the argmax; those rows
 are then rescored on the Q8_0 head by QuantLinear._int16's own kernel calls (quantize_act, gemm),
 so the token is the one `row_argmax(head(x))` gives, ties to the first index included.
@@ -27,13 +27,14 @@ Memory: N x (K / 2 + K / 16) bytes (94 MB for Gemma 3 270M), counted as weights;
 `--no-greedy-int8-head`. Rows that need logits (sampling, penalties, logprobs) read the head.
 
 Whether the copy pays depends on the CPU: where the head's bytes come fast against its arithmetic
-it does not. At one row the pass ran at 1.23x the full head's speed on a 2-core AVX2 EPYC
-(2026-11-26, MAX_ROWS below) and at 0.68x on a 2-core Zen 5 forced to this level (5.59 against
-3.81 ms, FLATSERVE_CPU_ISA=avx2, 2026-11-28; both benchmarks/dev/cpu_greedy_head.py --gguf). So
-the served one (greedy_q8.py's `one_row` at the avx2 level, built with `trial`) times both on
-its first one-row calls, alternated (TRIAL of each, the first of each dropped: cold caches), and
-keeps the pass only where its best time is under KEEP x the head's; else it frees the copy. The
-tokens are the same either way.
+it may not. A row-major copy (a row's blocks in a register, a horizontal sum a row; this
+project's layout until 2026-11-28) ran at 1.23x the full head's speed at one row on a 2-core
+AVX2 EPYC and at 0.68x on a 2-core Zen 5 forced to avx2; the copy now has 16 head rows in the
+vector lanes (csrc/greedy_q4t.h, the avx512 level's layout, in two ymm here), 1.3-1.5x the head
+on that Zen 5 (MAX_ROWS below). The served one (greedy_q8.py's `one_row` at the AVX2 levels,
+built with `trial`) still times both on its first one-row calls, alternated (TRIAL of each, the
+first of each dropped: cold caches), and keeps the pass only where its best time is under KEEP x
+the head's; else it frees the copy. The tokens are the same either way.
 """
 from __future__ import annotations
 
@@ -48,28 +49,29 @@ from flatserve import kernels
 from flatserve.model import quant
 from flatserve.model.qformats import FORMATS
 
-# Rows per call the pass takes; more go to the full head. The pass costs more arithmetic per
-# block than the head (9.5 cycles a block at one row against 7.7, L2-resident rows) and grows with
-# the rows, while the head streams its bytes once for all rows: the default model's head at 1, 2
-# and 4 rows took 1.23x, 0.99x and 0.83x the full head's speed (benchmarks/dev/cpu_greedy_head.py
-# --gguf, 2-core EPYC, 2026-11-26, a busy box). So one row: a one-stream decode step.
+# Rows per call the pass takes; more go to the full head (greedy_q8.py's int8 pass from a few
+# rows). The pass grows with the rows, while the head streams its bytes once for all rows: the
+# default model's head at 1, 2 and 4 rows, pass against head + argmax, 2.3 / 4.6 / 7.0 against
+# 3.6 / 4.1 / 6.6 ms at avxvnni and 2.8 / 5.8 / 10.2 against 3.6 / 4.4 / 7.1 at avx2 (2-core
+# Zen 5 forced to each level, 2026-11-28, real hidden states, a scratch timing of the kernels'
+# calls). So one row: a one-stream decode step.
 MAX_ROWS = 1
+KERNEL_ROWS = 8  # the pass's own limit (greedy_q4t.h kMaxRows)
 TRIAL = 8  # one-row calls timed on each path before the choice
 KEEP = 0.95  # the pass stays where its best one-row time is under this fraction of the head's
 Q8_0 = FORMATS["q8_0"]
 log = logging.getLogger("flatserve")
 
 
-def quantize_q4(q8: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
-    """Q8_0 rows [N, K / 32 * 34] -> (copy [N, 18 nbp] uint8, wmax); nbp: K / 32 rounded up to
-    even (a last odd block pairs with a zero one). Per row: 32 bytes a pair of blocks (value j of
-    block 2i in byte j's low nibble, of block 2i + 1 in its high one, as c + 8: one load and two
-    masks give 64 codes), then one fp16 scale a block. In C++ (csrc/greedy_q4.h quantize_rows):
-    the same in float64 torch took 23 s for the default model's head, a start-up cost."""
+def quantize_q4(q8: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Q8_0 rows [N, K / 32 * 34] -> (codes [G, nb x 256] uint8, scales [G, nb x 16] int16 (fp16
+    bits), wmax), G = ceil(N / 16): the copy with 16 head rows in the vector lanes (layout:
+    csrc/greedy_q4t.h). In C++: the same in float64 torch took 23 s for the default model's head,
+    a start-up cost."""
     ext = quant.kernel()
     assert ext is not None, "the quantized-linear kernel did not build"
-    copy, wmax = ext.greedy_q4_copy(q8.contiguous(), k)
-    return copy, wmax * (1 + 2.0**-20)
+    codes, scales, wmax = ext.greedy_q4t_copy(q8.contiguous(), k)
+    return codes, scales, wmax * (1 + 2.0**-20)
 
 
 def eligible(head: nn.Module) -> bool:
@@ -111,19 +113,20 @@ class Q4GreedyHead(BoundedHead):
 
     def __init__(self, head: quant.QuantLinear, trial: bool = False) -> None:
         super().__init__(head)
-        copy, self.wmax = quantize_q4(head.qweight0, head.in_features)
-        self.register_buffer("copy", copy)
+        codes, scales, self.wmax = quantize_q4(head.qweight0, head.in_features)
+        self.register_buffer("copy", codes)             # [N / 16, K / 32 x 256] uint8 (greedy_q4t.h)
+        self.register_buffer("copy_scales", scales)     # [N / 16, K / 32 x 16] fp16 bits
         self.times: dict[str, list[float]] | None = {"pass": [], "head": []} if trial else None
         self.clock = time.perf_counter  # the trial's timer (tests put in their own)
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.copy is None else self.copy.numel()
+        return 0 if self.copy is None else self.copy.numel() + self.copy_scales.numel() * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M] int64
         self.calls += 1
         ext = quant.kernel()
-        if self.copy is None or ext is None or not 0 < x.shape[0] <= MAX_ROWS \
+        if self.copy is None or ext is None or not 0 < x.shape[0] <= min(MAX_ROWS, KERNEL_ROWS) \
                 or not bool(torch.isfinite(x).all()):
             return self._full(x)  # NaN / inf: the bound means nothing there
         if self.times is None:
@@ -139,16 +142,17 @@ class Q4GreedyHead(BoundedHead):
     def _pass(self, ext: object, x: torch.Tensor) -> torch.Tensor:
         # The pass and the candidates' rescoring on the head's own dot, in one call: a parallel
         # region per kernel call costs a scheduler slice whenever the box is shared.
-        tokens, self.last_counts = ext.greedy_q4_argmax(x.contiguous(), self.copy, self.head.qweight0, self.wmax)
+        tokens, self.last_counts = ext.greedy_q4t_argmax(x.contiguous(), self.head.qweight0, self.copy,
+                                                         self.copy_scales, self.wmax)
         return tokens
 
     def _choose(self) -> None:
         best = {k: min(v[1:]) for k, v in self.times.items()}
         self.times = None
         keep = best["pass"] < KEEP * best["head"]
-        mib = self.copy.numel() / 2**20
+        mib = self.nbytes / 2**20
         if not keep:
-            self.copy = None
+            self.copy = self.copy_scales = None
         log.info("greedy LM head at one row: the 4-bit copy's pass %.2f ms, the head %.2f ms (best "
                  "of %d each): %s", best["pass"] * 1e3, best["head"] * 1e3, TRIAL - 1,
                  "keeping the pass" if keep else f"reading the head, the copy's {mib:.0f} MiB freed")

@@ -1,5 +1,6 @@
 """The bounded 4-bit greedy head on a Q8_0 LM head (flatserve/model/greedy_q4.py), at every ISA
-level this CPU runs: its token is `row_argmax(head(x))` of the quantized head itself, bit for
+level this CPU runs whose build has it (AVX2 and up; its copy has head rows in the lanes,
+csrc/greedy_q4t.h): its token is `row_argmax(head(x))` of the quantized head itself, bit for
 bit (ties to the first index included), on fresh random heads and inputs with outlier channels,
 exact ties and ties one code step apart; the copy's error stays within its bound; non-finite
 rows fall back to the head."""
@@ -58,36 +59,49 @@ def near_winner(w_win: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _decode_copy(copy: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The copy back to (W4 [n, k] float64, d [n, nb] float64), from its documented layout."""
-    nb = k // 32
-    nbp = (nb + 1) // 2 * 2
-    pairs = copy[:, :16 * nbp].view(n, nbp // 2, 32).long()
-    codes = torch.stack([(pairs & 15) - 8, (pairs >> 4) - 8], 2).view(n, nbp, 32)
-    d = copy[:, 16 * nbp:16 * nbp + 2 * nb].contiguous().view(torch.float16).double()
-    assert (codes[:, nb:] == 0).all(), "a padding block holds codes"
-    return (codes[:, :nb] * d[..., None]).reshape(n, k), d
+def _ext() -> object:
+    ext = require_kernel(quant._ext)
+    if not ext.has_greedy_q8():
+        pytest.skip(f"the {ext.isa()} build has no AVX2, where the greedy passes live")
+    return ext
+
+
+def decode_lanes(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """The rows-in-lanes copy back to (c [G 16, nb, 32] int64, d [G 16, nb] int16 fp16 bits), by the
+    layout csrc/greedy_q4t.h states: [g][nb][vector j][lane r][4 bytes], bytes (u0 | u2 << 4,
+    u4 | u6 << 4, u1 | u3 << 4, u5 | u7 << 4) of values 8j..8j+7, u = c + 8; scales [g][nb][16]."""
+    nb, g = k // 32, -(-n // 16)
+    by = codes.reshape(g, nb, 4, 16, 4).permute(0, 3, 1, 2, 4).reshape(16 * g, nb, 4, 4).long()
+    lo, hi = by & 15, by >> 4
+    order = torch.stack([lo[..., 0], lo[..., 2], hi[..., 0], hi[..., 2], lo[..., 1], lo[..., 3], hi[..., 1],
+                         hi[..., 3]], -1)  # values 8j + 0..7
+    d = scales.reshape(g, nb, 16).permute(0, 2, 1).reshape(16 * g, nb)
+    return order.reshape(16 * g, nb, 32) - 8, d
 
 
 @pytest.mark.parametrize("k", [640, 96])  # the default model's K, and an odd number of blocks
 def test_copy_errs_at_most_half_a_step(k: int, quant_isa: str) -> None:
-    require_kernel(quant._ext)
-    n = 200
+    """Each weight of the copy within d / 2 of the head's (exact in float64), |c| <= 7, wmax
+    above every |W| and |W4|, and the last group's padding rows zero in codes and scales."""
+    _ext()
+    n = 16 * random.randint(3, 12) + random.randint(1, 15)
     w = _weights(n, k)
     q8 = quantize(w, Q8_0)
-    copy, wmax = quantize_q4(q8, k)
-    w4, d = _decode_copy(copy, n, k)
+    codes, scales, wmax = quantize_q4(q8, k)
+    c, bits = decode_lanes(codes, scales, n, k)
+    d = bits.contiguous().view(torch.float16).double()
+    w4 = (c * d[..., None]).reshape(-1, k)
     wq = dequantize(q8, Q8_0, k).double()  # the head's values: exact in float64
-    err = (wq - w4).abs().view(n, -1, 32)
-    assert (err <= d[..., None] / 2).all()
-    assert (w4.abs() <= 7 * d.repeat_interleave(32, 1)).all()
+    err = (wq - w4[:n]).abs().view(n, -1, 32)
+    assert (err <= d[:n, :, None] / 2).all()
+    assert (c.abs() <= 7).all() and (c[n:] == 0).all() and (bits[n:] == 0).all()
     assert wmax >= wq.abs().max().item() and wmax >= w4.abs().max().item() / (1 + 2**-10)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 8])
 def test_tokens_equal_the_quantized_head_argmax(rows: int, quant_isa: str, monkeypatch) -> None:
-    require_kernel(quant._ext)
-    monkeypatch.setattr(greedy_q4, "MAX_ROWS", 16)  # the kernel's whole range, not the served one
+    _ext()
+    monkeypatch.setattr(greedy_q4, "MAX_ROWS", 8)  # the kernel's whole range, not the served one
     n, k = 64 * random.randint(40, 120), random.choice([640, 96])
     w = _weights(n, k)
     a, b = sorted(random.sample(range(n), 2))
@@ -110,8 +124,8 @@ def test_tokens_equal_the_quantized_head_argmax(rows: int, quant_isa: str, monke
 def test_ties_one_code_step_apart(quant_isa: str, monkeypatch) -> None:
     """Copies of the winning row with one Q8_0 code moved by one step: logits equal or one
     product apart, often equal after the head's bf16 rounding; the first maximum must win."""
-    require_kernel(quant._ext)
-    monkeypatch.setattr(greedy_q4, "MAX_ROWS", 16)
+    _ext()
+    monkeypatch.setattr(greedy_q4, "MAX_ROWS", 8)
     n, k = 64 * 40, 640
     w = _weights(n, k)
     q8 = quantize(w, Q8_0)
@@ -121,7 +135,7 @@ def test_ties_one_code_step_apart(quant_isa: str, monkeypatch) -> None:
         step_code(q8, row, 2 + 34 * (i % 20) + 2 + i)  # a code byte of block i % 20
     head = head_of(q8, k)
     greedy = Q4GreedyHead(head)
-    x = near_winner(dequantize(q8, Q8_0, k)[win])
+    x = near_winner(dequantize(q8, Q8_0, k)[win])[:8]
     for dtype in (torch.bfloat16, torch.float32):
         ref = kernels.row_argmax(head(x.to(dtype)))
         assert torch.equal(greedy(x.to(dtype)), ref)
@@ -129,7 +143,7 @@ def test_ties_one_code_step_apart(quant_isa: str, monkeypatch) -> None:
 
 
 def test_non_finite_rows_and_large_calls_take_the_head(quant_isa: str) -> None:
-    require_kernel(quant._ext)
+    _ext()
     n, k = 64 * 20, 640
     head = _head(_weights(n, k))
     greedy = Q4GreedyHead(head)
@@ -145,7 +159,7 @@ def test_served_head_times_both_paths_then_keeps_the_faster(pass_ms: float, quan
     """The served head's trial (for_model): its first one-row calls alternate pass and full head,
     each timed (here by a fake clock), with the head's tokens throughout; then the pass stays
     where it was faster, else the copy is freed and the head answers."""
-    require_kernel(quant._ext)
+    _ext()
     n, k = 64 * 20, 640
     head = _head(_weights(n, k))
     greedy = Q4GreedyHead(head, trial=True)
@@ -169,7 +183,7 @@ def test_served_head_times_both_paths_then_keeps_the_faster(pass_ms: float, quan
     if pass_ms < 2.0:
         assert greedy.copy is not None and greedy.fallbacks == 0 and greedy.last_counts.numel() == 1
     else:
-        assert greedy.copy is None and greedy.nbytes == 0 and greedy.fallbacks == 1
+        assert greedy.copy is None and greedy.copy_scales is None and greedy.nbytes == 0 and greedy.fallbacks == 1
     assert readings[0] == 4 * greedy_q4.TRIAL  # no timing after the choice
 
 
@@ -189,7 +203,8 @@ def test_default_model_greedy_tokens_with_and_without_the_head(default_model_pat
     full head's tokens, one request and four at once (the kernel's range past MAX_ROWS)."""
     from flatserve import LLM
 
-    monkeypatch.setattr(greedy_q4, "MAX_ROWS", 16)
+    _ext()
+    monkeypatch.setattr(greedy_q4, "MAX_ROWS", 8)
     llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
               greedy_int8_head=False)
     runner = llm.engine.runner

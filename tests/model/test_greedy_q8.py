@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flatserve import kernels
-from flatserve.model import greedy_q8, quant
+from flatserve.model import greedy_q4, greedy_q8, quant
 from flatserve.model.greedy_q8 import Q8GreedyHead
 from flatserve.model.qformats import FORMATS, dequantize, quantize
 from tests.conftest import require_kernel
@@ -26,13 +26,22 @@ Q8_0 = FORMATS["q8_0"]
 PASSES = {"int8": 0, "copy": 8}
 
 
-def _ext(pass_: str = "int8") -> object:
+def _ext(pass_: str = "int8", served: bool = False) -> object:
     ext = require_kernel(quant._ext)
     if not ext.has_greedy_q8():
         pytest.skip(f"the {ext.isa()} build has no AVX2, where the int8 pass lives")
-    if pass_ == "copy" and ext.isa() in ("avxvnni", "avx2"):
-        pytest.skip("the rows-in-lanes copy is built at the AVX-512 VNNI levels only (avx2: greedy_q4's)")
+    if served and pass_ == "copy" and ext.isa() in ("avxvnni", "avx2"):
+        pytest.skip("at the AVX2 levels the copy is greedy_q4's (`one_row`), not Q8GreedyHead's own")
     return ext
+
+
+def _greedy(head: quant.QuantLinear, pass_: str, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """The head's pass: Q8GreedyHead, or at the AVX2 levels for the copy greedy_q4's head over
+    the kernel's whole range (there the same copy and kernel, csrc/greedy_q4t.h in two ymm)."""
+    if pass_ == "copy" and quant.kernel().isa() in ("avxvnni", "avx2"):
+        monkeypatch.setattr(greedy_q4, "MAX_ROWS", 8)
+        return greedy_q4.Q4GreedyHead(head)
+    return Q8GreedyHead(head)
 
 
 @pytest.fixture(params=["amx", "avx512", "avxvnni", "avx2"])
@@ -74,7 +83,7 @@ def test_tokens_equal_the_quantized_head_argmax(pass_: str, rows: int, pass_isa:
     w[b] = torch.randn(k) * 0.1
     w[a] = w[b]  # an exact tie: the first index must win
     head = _head(w)
-    greedy = Q8GreedyHead(head)
+    greedy = _greedy(head, pass_, monkeypatch)
     x = _x(rows, k)
     x[0] = w[b] * 40
     for dtype in (torch.bfloat16, torch.float32):
@@ -111,7 +120,7 @@ def test_rows_crowded_within_the_bound(pass_: str, pass_isa: str, monkeypatch) -
         if i % 3:  # a third stay exact ties
             step_code(q8, row, 34 * (i % 20) + 2 + i % 32)
     head = head_of(q8, k)
-    greedy = Q8GreedyHead(head)
+    greedy = _greedy(head, pass_, monkeypatch)
     x = near_winner(dequantize(q8, Q8_0, k)[win])[:16 if pass_ == "int8" else 8]
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(greedy(x.to(dtype)), kernels.row_argmax(head(x.to(dtype))))
@@ -135,7 +144,7 @@ def test_a_crowd_the_estimate_misorders(pass_: str, rows: int, pass_isa: str, mo
     crowd = random.sample(range(n), 64)
     w[crowd] = win + torch.randn(64, k) * 0.002
     head = _head(w)
-    greedy = Q8GreedyHead(head)
+    greedy = _greedy(head, pass_, monkeypatch)
     wq = dequantize(quantize(w, Q8_0), Q8_0, k)
     x = _x(rows, k)
     u = wq[crowd[0]] / wq[crowd[0]].dot(wq[crowd[0]])
@@ -164,31 +173,16 @@ def test_non_finite_rows_and_calls_out_of_range_take_the_head(pass_isa: str) -> 
 
 
 @pytest.mark.parametrize("k", [640, 96])
-def test_the_copy_is_greedy_q4s_codes_in_lanes(k: int, pass_isa: str) -> None:
-    """The rows-in-lanes copy holds greedy_q4.py's codes and scales (the same quantize_block):
-    each lane's nibbles, unpacked by the layout greedy_q4t.h states, equal the row-major copy's;
-    the rows past N (the last group's padding) have zero scales and zero codes."""
-    ext = _ext("copy")
+def test_the_served_copy_is_greedy_q4s(k: int, pass_isa: str) -> None:
+    """The avx512 level's rows-in-lanes copy (Q8GreedyHead's own) holds the codes and scales
+    greedy_q4.quantize_q4 makes (tests/model/test_greedy_q4.py bounds their error)."""
+    _ext("copy", served=True)
     n = 16 * random.randint(3, 9) + random.randint(1, 15)
-    q8 = quantize(_weights(n, k), Q8_0)
-    codes, scales, wmax = ext.greedy_q4t_copy(q8, k)
-    ref, ref_wmax = ext.greedy_q4_copy(q8, k)
-    assert wmax == ref_wmax
-    nb, g = k // 32, -(-n // 16)
-    nbp = (nb + 1) // 2 * 2
-    # row-major copy: pair i of blocks in 32 bytes (block 2i low nibbles, 2i + 1 high), then fp16 scales
-    pairs = ref[:, :16 * nbp].reshape(n, nbp // 2, 32).long()
-    c_ref = torch.stack([pairs & 15, pairs >> 4], 2).reshape(n, nbp, 32)[:, :nb] - 8  # [n, nb, 32]
-    d_ref = ref[:, 16 * nbp:].contiguous().view(torch.int16).reshape(n, nbp)[:, :nb]
-    # lanes: [g][nb][vector j][lane r][byte]; bytes (u0|u2<<4, u4|u6<<4, u1|u3<<4, u5|u7<<4) of 8j..8j+7
-    by = codes.reshape(g, nb, 4, 16, 4).permute(0, 3, 1, 2, 4).reshape(16 * g, nb, 4, 4).long()
-    lo, hi = by & 15, by >> 4
-    order = torch.stack([lo[..., 0], lo[..., 2], hi[..., 0], hi[..., 2], lo[..., 1], lo[..., 3], hi[..., 1],
-                         hi[..., 3]], -1)  # values 8j + 0..7
-    c = order.reshape(16 * g, nb, 32) - 8
-    d = scales.reshape(g, nb, 16).permute(0, 2, 1).reshape(16 * g, nb)
-    assert torch.equal(c[:n], c_ref) and torch.equal(d[:n], d_ref)
-    assert (c[n:] == 0).all() and (d[n:] == 0).all()
+    head = _head(_weights(n, k))
+    greedy = Q8GreedyHead(head)
+    codes, scales, wmax = greedy_q4.quantize_q4(head.qweight0, k)
+    assert torch.equal(greedy.copy_codes, codes) and torch.equal(greedy.copy_scales, scales)
+    assert greedy.wmax == wmax
 
 
 def test_served_on_the_avx512_and_avx2_builds(quant_isa: str) -> None:

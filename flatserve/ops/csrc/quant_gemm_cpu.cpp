@@ -560,16 +560,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("col"), py::arg("path") = 0);
   m.def("dequant", &dequant, "W's blocks -> dense rows (the torch reference's bits in fp32)");
   m.def("quant_linear", &quant_linear, "x @ W^T (+ bias) for a packed linear (QuantLinear.pack)");
-  m.def("greedy_q4_argmax", &greedy_q4_argmax,
-        "row_argmax(x @ W^T) on a Q8_0 head, candidates from its 4-bit copy -> (tokens, candidates per token)");
-  m.def("greedy_q4_copy", &greedy_q4_copy, "Q8_0 rows -> the greedy head's 4-bit copy, wmax");
   m.def("greedy_q8_argmax", &greedy_q8_argmax,
         "row_argmax(x @ W^T) on a Q8_0 head, candidates from its int8 pass -> (tokens, candidates per token)");
   m.def("greedy_q8_prep", &greedy_q8_prep, "Q8_0 rows -> (block code sums int16, row L1 norms) for greedy_q8");
   m.def("greedy_q4t_argmax", &greedy_q4t_argmax,
         "x [M <= 8, K], Q8_0 head, its rows-in-lanes 4-bit copy -> (greedy tokens, candidate counts)");
   m.def("greedy_q4t_copy", &greedy_q4t_copy, "Q8_0 rows -> (codes, scales, wmax) for greedy_q4t_argmax");
-  m.def("has_greedy_q8", &has_greedy_q8, "whether this build has the int8 greedy pass (AVX-512 VNNI)");
+  m.def("has_greedy_q8", &has_greedy_q8, "whether this build has the greedy passes (AVX2 and up)");
   m.def("isa", &isa, "the vector path compiled in");
   m.def("set_rows16_formats", &set_rows16_formats,
         "without AMX: the GGML types (a bit each) whose calls take rows16 (csrc/quant_rows.h)");
