@@ -19,8 +19,8 @@ token are rescored on the head.
 
 The avx2 build (no VNNI) runs the same pass with `vpmaddubsw` (x as 7-bit codes: csrc/greedy_q8.h
 says why), the avxvnni build with 256-bit `vpdpbusd` (8-bit codes), each from its
-AVX2_MIN_ROWS rows; one row takes greedy_q4.py's row-major copy (with its trial against the
-head) and the rows between the head.
+AVX2_MIN_ROWS rows; one row takes greedy_q4.py's head (the same rows-in-lanes copy, in two ymm,
+with its trial against the head) and the rows between the head.
 
 Memory: per row its L1 norm (4 bytes) and per block the sum of its codes (2 bytes), N x (4 + K /
 16) bytes, 11.5 MB for Gemma 3 270M; the copy, N x K x 9 / 16 bytes, 94.4 MB; both counted as
