@@ -99,12 +99,16 @@ print(json.dumps({"preemptions": llm.engine.scheduler.num_preemptions,
 def test_small_budget_start_full_load_preempts_and_stays_in_budget(default_model_path) -> None:
     import json
 
-    # Leave ~2.1 GiB for the whole inference: runtime (0.40-0.46 GiB seen on 2026-11-27), the
-    # dequantized fp32 weights (1.00 GiB), peak (0.30 GiB) and a KV of ~0.34-0.40 GiB (~620-730
-    # blocks of 16 tokens), less than the 16 prompts' >= 900 tokens each need at once (>= 960
-    # blocks): preemption must happen. (With 2.15 GiB and >= 650-token prompts the KV had come to
-    # 708-819 blocks, room for all 16 at once, once the measured runtime fell below 0.49 GiB.)
-    reserve = _ram_gib() - 2.1
+    # Leave ~2.0 GiB for the whole inference: runtime (0.40-0.46 GiB seen on 2026-11-27), the
+    # dequantized fp32 weights (1.00 GiB), peak (0.30 GiB) and a KV of ~0.25-0.30 GiB (~450-530
+    # blocks of 16 tokens), well under the 16 prompts' >= 900 tokens each (>= 960 blocks at
+    # once). The scheduler admits prompts only into free blocks, so preemption comes only from
+    # decode growth, and how much depends on the pool's size, not just on its being short: on a
+    # 2-core Zen 5 (2026-11-28) 529-721 blocks gave 2-3 preemptions and 903 gave none, and a run
+    # with 2.1 GiB left under a loaded `pytest -n auto` once saw none (its pool, sized from the
+    # runtime it measured, was larger). (With 2.15 GiB and >= 650-token prompts the KV had come
+    # to 708-819 blocks, room for all 16 at once, once the measured runtime fell below 0.49 GiB.)
+    reserve = _ram_gib() - 2.0
     proc = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, f"{reserve}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with RssSampler(proc.pid, interval=0.05) as rss:
@@ -114,7 +118,7 @@ def test_small_budget_start_full_load_preempts_and_stays_in_budget(default_model
     first, last = (json.loads(line) for line in out.strip().splitlines()[-2:])
     kv = first["total"] - first["reserve"] - first["runtime"] - first["weights"] - first["peak"]
     assert first["kv"] == kv and first["blocks"] == kv // first["bpb"], first
-    assert (first["blocks"] - 1) * 16 < 16 * 900, f"the budget must not hold all 16 requests at once: {first}"
+    assert first["blocks"] < 720, f"the pool must stay where preemption was seen: {first}"
     assert last["preemptions"] > 0 and last["used"] == 0
     budget = first["total"] - first["reserve"]
     assert peak < budget * 1.05, f"peak RSS {peak / GiB:.2f} GiB > budget {budget / GiB:.2f} GiB + 5%"
