@@ -122,8 +122,8 @@ def main() -> None:
             t3 = time.perf_counter()
             one_row = getattr(greedy, "one_row", None)  # the AVX2 builds' greedy_q4 copy
             if a.gguf and one_row is not None and m < greedy_q8.AVX2_MIN_ROWS[greedy.isa]:
-                _, cnt = greedy_q4_ext().greedy_q4t_argmax(x, head.qweight0, one_row.copy, one_row.copy_scales,
-                                                           one_row.wmax)
+                _, cnt = greedy_q4_ext().greedy_q4t_argmax(x, head.qweight0, one_row.copy,
+                                                           one_row.copy_scales, one_row.wmax)
                 off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
             elif a.gguf and hasattr(greedy, "copy_codes") and m <= greedy_q8.FEW_ROWS:  # rows in lanes
                 _, cnt = greedy_q4_ext().greedy_q4t_argmax(x, head.qweight0, greedy.copy_codes,

@@ -81,10 +81,9 @@ class Q8GreedyHead(BoundedHead):
         self.register_buffer("norms", norms)  # [N] fp32: |W_n|_1, rounded up
         self.one_row = greedy_q4.Q4GreedyHead(head, trial) if greedy_q4.eligible(head) else None  # AVX2
         if self.one_row is None:
-            codes, scales, self.wmax = ext.greedy_q4t_copy(head.qweight0, head.in_features)
+            codes, scales, self.wmax = greedy_q4.quantize_q4(head.qweight0, head.in_features)
             self.register_buffer("copy_codes", codes)    # [N / 16, K / 32 x 256] uint8 (greedy_q4t.h)
             self.register_buffer("copy_scales", scales)  # [N / 16, K / 32 x 16] fp16 bits
-            self.wmax *= 1 + 2.0**-20
 
     @property
     def nbytes(self) -> int:

@@ -1,11 +1,12 @@
 """The greedy passes on a Q8_0 LM head (flatserve/model/greedy_q8.py) at the ISA levels whose
 build has them (AVX-512 VNNI: avx512, amx; the int8 pass in its AVX2 forms at avxvnni, avx2): the
-int8-activation pass (greedy_q8.h) and the 4-bit copy with rows in the lanes (greedy_q4t.h, VNNI
-levels), each forced over its kernel's whole row range (`PASSES`, AVX2_MIN_ROWS).
+int8-activation pass (greedy_q8.h) and the 4-bit copy with rows in the lanes (greedy_q4t.h: in
+zmm at the VNNI levels, through greedy_q4's head in two ymm at the AVX2 ones), each forced over
+its kernel's whole row range (`PASSES`, AVX2_MIN_ROWS).
 A token is `row_argmax(head(x))` of the quantized head itself, bit for bit (ties to the first
 index included), on fresh random heads and inputs with outlier channels, exact ties, ties one
-code step apart and rows crowded within each bound; the per-row sums and the copy it keeps are
-the blocks' own; non-finite rows fall back to the head."""
+code step apart and rows crowded within each bound; the per-row sums are the blocks' own (the
+copy's error: test_greedy_q4.py); non-finite rows fall back to the head."""
 from __future__ import annotations
 
 import random
@@ -26,12 +27,10 @@ Q8_0 = FORMATS["q8_0"]
 PASSES = {"int8": 0, "copy": 8}
 
 
-def _ext(pass_: str = "int8", served: bool = False) -> object:
+def _ext(pass_: str = "int8") -> object:
     ext = require_kernel(quant._ext)
     if not ext.has_greedy_q8():
-        pytest.skip(f"the {ext.isa()} build has no AVX2, where the int8 pass lives")
-    if served and pass_ == "copy" and ext.isa() in ("avxvnni", "avx2"):
-        pytest.skip("at the AVX2 levels the copy is greedy_q4's (`one_row`), not Q8GreedyHead's own")
+        pytest.skip(f"the {ext.isa()} build has no AVX2, where the {pass_} pass lives")
     return ext
 
 
@@ -170,19 +169,6 @@ def test_non_finite_rows_and_calls_out_of_range_take_the_head(pass_isa: str) -> 
     for rows in (2, 8):  # either pass
         assert torch.equal(greedy(x[:rows]), kernels.row_argmax(head(x[:rows])))
     assert greedy.fallbacks == 3
-
-
-@pytest.mark.parametrize("k", [640, 96])
-def test_the_served_copy_is_greedy_q4s(k: int, pass_isa: str) -> None:
-    """The avx512 level's rows-in-lanes copy (Q8GreedyHead's own) holds the codes and scales
-    greedy_q4.quantize_q4 makes (tests/model/test_greedy_q4.py bounds their error)."""
-    _ext("copy", served=True)
-    n = 16 * random.randint(3, 9) + random.randint(1, 15)
-    head = _head(_weights(n, k))
-    greedy = Q8GreedyHead(head)
-    codes, scales, wmax = greedy_q4.quantize_q4(head.qweight0, k)
-    assert torch.equal(greedy.copy_codes, codes) and torch.equal(greedy.copy_scales, scales)
-    assert greedy.wmax == wmax
 
 
 def test_served_on_the_avx512_and_avx2_builds(quant_isa: str) -> None:
