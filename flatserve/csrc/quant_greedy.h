@@ -62,9 +62,9 @@ std::vector<at::Tensor> greedy_argmax(const at::Tensor& x, const at::Tensor& w8,
   return {tokens, counts};
 }
 
-
 // The int8 pass on the head's own codes (flatserve/csrc/greedy_q8.h, model/greedy_q8.py): S [N, K
-// / 32] int16 and R [N] fp32 from greedy_q8_prep. The avx512 build (VNNI) and the avx2 one.
+// / 32] int16 and R [N] fp32 from greedy_q8_prep. The avx512 build (VNNI) and the AVX2 ones
+// (avxvnni: 256-bit VNNI; avx2: vpmaddubsw).
 std::vector<at::Tensor> greedy_q8_argmax(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& S,
                                          const at::Tensor& R) {
 #ifdef FLATSERVE_GREEDY_Q8
@@ -171,4 +171,3 @@ bool has_greedy_q8() {
   return false;
 #endif
 }
-

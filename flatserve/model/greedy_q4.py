@@ -30,8 +30,8 @@ Whether the copy pays depends on the CPU: where the head's bytes come fast again
 it may not. A row-major copy (a row's blocks in a register, a horizontal sum a row; this
 project's layout until 2026-11-28) ran at 1.23x the full head's speed at one row on a 2-core
 AVX2 EPYC and at 0.68x on a 2-core Zen 5 forced to avx2; the copy now has 16 head rows in the
-vector lanes (csrc/greedy_q4t.h, the avx512 level's layout, in two ymm here), 1.3-1.5x the head
-on that Zen 5 (MAX_ROWS below). The served one (greedy_q8.py's `one_row` at the AVX2 levels,
+vector lanes (csrc/greedy_q4t.h, the avx512 level's layout, in two ymm here): served, 1.2-1.3x
+the head's speed at one row on that Zen 5 (docs/performance-cpu.md, AVX2 section). The served one (greedy_q8.py's `one_row` at the AVX2 levels,
 built with `trial`) still times both on its first one-row calls, alternated (TRIAL of each, the
 first of each dropped: cold caches), and keeps the pass only where its best time is under KEEP x
 the head's; else it frees the copy. The tokens are the same either way.
