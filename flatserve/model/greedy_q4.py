@@ -31,10 +31,11 @@ it may not. A row-major copy (a row's blocks in a register, a horizontal sum a r
 project's layout until 2026-11-28) ran at 1.23x the full head's speed at one row on a 2-core
 AVX2 EPYC and at 0.68x on a 2-core Zen 5 forced to avx2; the copy now has 16 head rows in the
 vector lanes (csrc/greedy_q4t.h, the avx512 level's layout, in two ymm here): served, 1.2-1.3x
-the head's speed at one row on that Zen 5 (docs/performance-cpu.md, AVX2 section). The served one (greedy_q8.py's `one_row` at the AVX2 levels,
-built with `trial`) still times both on its first one-row calls, alternated (TRIAL of each, the
-first of each dropped: cold caches), and keeps the pass only where its best time is under KEEP x
-the head's; else it frees the copy. The tokens are the same either way.
+the head's speed at one row on that Zen 5 (docs/performance-cpu.md, AVX2 section). The served
+one (greedy_q8.py's `one_row` at the AVX2 levels, built with `trial`) still times both on its
+first one-row calls, alternated (TRIAL of each, the first of each dropped: cold caches), and
+keeps the pass only where its best time is under KEEP x the head's; else it frees the copy. The
+tokens are the same either way.
 """
 from __future__ import annotations
 
@@ -51,10 +52,11 @@ from flatserve.model.qformats import FORMATS
 
 # Rows per call the pass takes; more go to the full head (greedy_q8.py's int8 pass from a few
 # rows). The pass grows with the rows, while the head streams its bytes once for all rows: the
-# default model's head at 1, 2 and 4 rows, pass against head + argmax, 2.3 / 4.6 / 7.0 against
-# 3.6 / 4.1 / 6.6 ms at avxvnni and 2.8 / 5.8 / 10.2 against 3.6 / 4.4 / 7.1 at avx2 (2-core
-# Zen 5 forced to each level, 2026-11-28, real hidden states, a scratch timing of the kernels'
-# calls). So one row: a one-stream decode step.
+# default model's head, the pass with its rescoring against head + argmax, at 1 and 2 rows 2.36 /
+# 4.63 against 3.59 / 4.16 ms at avxvnni, at 1-4 rows 2.73 / 6.25 / 8.37 / 10.34 against 3.58 /
+# 4.49 / 5.97 / 7.25 at avx2 (`FLATSERVE_CPU_ISA=... benchmarks/dev/cpu_greedy_head.py --gguf
+# --rows 1,2,3,4,5,8,16 --reps 10`, its kernel column, 2-core Zen 5, 2026-11-28). So one row: a
+# one-stream decode step.
 MAX_ROWS = 1
 KERNEL_ROWS = 8  # the pass's own limit (greedy_q4t.h kMaxRows)
 TRIAL = 8  # one-row calls timed on each path before the choice

@@ -18,20 +18,12 @@ from flatserve import kernels
 from flatserve.model import greedy_q4, greedy_q8, quant
 from flatserve.model.greedy_q8 import Q8GreedyHead
 from flatserve.model.qformats import FORMATS, dequantize, quantize
-from tests.conftest import require_kernel
-from tests.model.test_greedy_q4 import (_head, _weights, _x, head_of, near_winner, same_tokens_through,
+from tests.model.test_greedy_q4 import (_ext, _head, _weights, _x, head_of, near_winner, same_tokens_through,
                                         step_code)
 
 Q8_0 = FORMATS["q8_0"]
 # FEW_ROWS that sends every call to one pass: 0 (the int8 pass at 1-16 rows) or the copy's 8 rows
 PASSES = {"int8": 0, "copy": 8}
-
-
-def _ext(pass_: str = "int8") -> object:
-    ext = require_kernel(quant._ext)
-    if not ext.has_greedy_q8():
-        pytest.skip(f"the {ext.isa()} build has no AVX2, where the {pass_} pass lives")
-    return ext
 
 
 def _greedy(head: quant.QuantLinear, pass_: str, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
@@ -74,7 +66,7 @@ def test_sums_and_norms_are_the_blocks(k: int, pass_isa: str) -> None:
 @pytest.mark.parametrize("pass_,rows", [("int8", 1), ("int8", 7), ("int8", 16), ("copy", 1), ("copy", 3),
                                         ("copy", 8)])
 def test_tokens_equal_the_quantized_head_argmax(pass_: str, rows: int, pass_isa: str, monkeypatch) -> None:
-    _ext(pass_)
+    _ext()
     monkeypatch.setattr(greedy_q8, "FEW_ROWS", PASSES[pass_])  # the kernel's whole range, not the served one
     n, k = 8 * random.randint(300, 900) + random.randint(0, 7), random.choice([640, 96])
     w = _weights(n, k)
@@ -108,7 +100,7 @@ def test_rows_crowded_within_the_bound(pass_: str, pass_isa: str, monkeypatch) -
     """24 copies of the winning row, two thirds with one code moved a step, against 16 tokens
     (the copy: 8) of 25 x the winner plus noise from 0 to 2: logits closer than the pass can
     tell, so the exact rescoring decides; the first maximum must win."""
-    _ext(pass_)
+    _ext()
     monkeypatch.setattr(greedy_q8, "FEW_ROWS", PASSES[pass_])
     n, k = 8 * 300, 640
     w = _weights(n, k)
@@ -135,7 +127,7 @@ def test_a_crowd_the_estimate_misorders(pass_: str, rows: int, pass_isa: str, mo
     them. Only the bound (not the tie margin) keeps the true maximum among the rescored rows:
     with either pass's bound set to zero this fails (int8: the 8 and 16 lanes; copy: its 8 tokens
     at once, then each alone, in 10 of 10 runs)."""
-    _ext(pass_)
+    _ext()
     monkeypatch.setattr(greedy_q8, "FEW_ROWS", PASSES[pass_])
     n, k = 8 * 300, 640
     w = torch.randn(n, k) * 0.001
