@@ -74,6 +74,22 @@ struct ActGroups {
   }
 };
 
+// One call's activation rows in groups of 16 (ActGroups) for the tiles in VNNI lanes (csrc/quant_vnni.h,
+// csrc/quant_tiles_ymm.h): per group and block the codes [16 pairs][16 rows][2].
+struct ActPairs : ActGroups {
+  std::vector<int16_t> x;
+  const int16_t* x_at(int64_t g, int64_t b) const { return x.data() + (g * nb + b) * 512; }
+};
+
+inline void act_pairs(const int16_t* q, const float* d, const float* s, int64_t M, int64_t K, ActPairs& a) {
+  a.shape(M, K);
+  a.x.assign(a.groups * a.nb * 512, 0);
+  a.fill(q, d, s, M, [&](int64_t i, int64_t t, const int16_t* xq) {
+    int16_t* dst = a.x.data() + i * 512 + 2 * t;
+    for (int l = 0; l < 32; ++l) dst[(l / 2) * 32 + l % 2] = xq[act_value(l)];  // value l: pair l / 2
+  });
+}
+
 #if QG_AVX2
 // rows16 and the VNNI tiles read 16 weight rows at a time, block by block: 16 streams, which the
 // hardware prefetchers of a 2-core Zen 4 did not keep up with where the weights came from memory

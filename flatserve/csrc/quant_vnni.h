@@ -38,22 +38,6 @@ namespace flatserve::qvnni {
 
 using namespace flatserve::qblocks;
 
-// One call's activation rows in groups of 16 (ActGroups): per group and block the codes
-// [16 pairs][16 rows][2].
-struct ActPairs : ActGroups {
-  std::vector<int16_t> x;
-  const int16_t* x_at(int64_t g, int64_t b) const { return x.data() + (g * nb + b) * 512; }
-};
-
-inline void act_pairs(const int16_t* q, const float* d, const float* s, int64_t M, int64_t K, ActPairs& a) {
-  a.shape(M, K);
-  a.x.assign(a.groups * a.nb * 512, 0);
-  a.fill(q, d, s, M, [&](int64_t i, int64_t t, const int16_t* xq) {
-    int16_t* dst = a.x.data() + i * 512 + 2 * t;
-    for (int l = 0; l < 32; ++l) dst[(l / 2) * 32 + l % 2] = xq[act_value(l)];  // value l: pair l / 2
-  });
-}
-
 // One step (J = 16 pairs: a block; 8: a half block) of eight weight rows (wr[i]: its codes) against
 // an activation group's pairs xb: S[i] lane t = the exact int32 dot of weight row i and row t.
 // Constant trip counts, unrolled, so the 8 chains stay in registers (a loop bound that depended

@@ -42,7 +42,8 @@ SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
 # either way and the dense GEMM computes with unquantized activations. One piece per linear, not
 # one per 256 rows (each piece re-read the activation chunk and wrote a strided slice of the
 # output): the default GGUF's four layer linears on a 2,048-token chunk 274 -> 245 ms (2-core EPYC).
-# Generated tokens' rows take the int16-activation kernel (_generated_rows).
+# Generated tokens' rows take the int16-activation kernel (_generated_rows); below AVX-512 prompt
+# rows do too, on the tiles (PROMPT_TILES_LEVELS).
 PROMPT_ROWS = 32
 DENSE_BYTES = 16 << 20
 ROW_TILE = 128  # the float GEMM runs in calls of this many rows: see _dense_rows
@@ -53,6 +54,15 @@ ROW_TILE = 128  # the float GEMM runs in calls of this many rows: see _dense_row
 # multiplies per weight (one vpmaddwd per 16 products on AVX2).
 ACT_ORDER = tuple(range(8)) + tuple(range(16, 24)) + tuple(range(8, 16)) + tuple(range(24, 32))
 QUANTIZATIONS = ("int8", "q8_0", "q4_0")  # --quantization for float checkpoints
+AUTO, TILES = 0, 2  # the kernel's gemm `path`: by row count, or the tiles forced
+# Prompt rows below AVX-512 (the avx2 and avxvnni builds): the tiles in 256-bit lanes
+# (csrc/quant_tiles_ymm.h) on the int16 codes instead of the dense fp32 GEMM, whose MKL runs 8
+# multiply-adds an FMA there (AVX2; also on AMD CPUs that have AVX-512: MKL's path for them). At
+# 256 and 2,048 rows the default GGUF's linears' shapes took 0.47-0.66x the dense path's time
+# (dequantize + GEMM) at avxvnni and 0.52-0.84x at avx2, every format (`FLATSERVE_CPU_ISA=...
+# benchmarks/dev/cpu_prompt_tiles.py`, 2-core Zen 5, 2026-11-28). The bits: the tiles' of the
+# avx512 level (csrc/quant_vnni.h), so a row's result does not depend on its call.
+PROMPT_TILES_LEVELS = dev.AVX2_LEVELS
 
 
 # Without AMX (the avx512 level: AMD Zen 4) the formats whose calls take the tiles' bits: rows16
@@ -65,6 +75,11 @@ QUANTIZATIONS = ("int8", "q8_0", "q4_0")  # --quantization for float checkpoints
 # is the default) overrides, for A/Bs.
 ROWS16_FORMATS = os.environ.get("FLATSERVE_QUANT_ROWS16") or "all"
 _rows16_set: set[int] = set()
+
+
+def prompt_tiles(ext: Any) -> bool:
+    """Whether this build's prompt rows take the tiles (PROMPT_TILES_LEVELS)."""
+    return ext.isa() in PROMPT_TILES_LEVELS
 
 
 def kernel() -> object | None:
@@ -220,25 +235,32 @@ class QuantLinear(nn.Module):
         if gen is True:
             y = self._int16(ext, x2)
         elif gen is False:
-            y = self.reference(x2, ext)
+            y = self._prompt(ext, x2)
         else:  # a step mixing prompt chunks and generated tokens: each row on its own path
             y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
             y[gen] = self._int16(ext, x2[gen])
-            y[~gen] = self.reference(x2[~gen], ext)
+            y[~gen] = self._prompt(ext, x2[~gen])
         return self._bias(y.reshape(*x.shape[:-1], self.out_features))
 
     def _bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
-    def _int16(self, ext: Any, x2: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+    def _int16(self, ext: Any, x2: torch.Tensor, path: int = AUTO) -> torch.Tensor:  # [T, K] -> [T, N]
         # int16 codes [T, K] (ACT_ORDER per block), scale and scaled sum per 32 values
         acts = ext.quantize_act(x2.contiguous())
         y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)
         col = 0
         for fmt, q in self.segments():  # one unpacked weight row serves every activation row
-            ext.gemm(*acts, q, fmt.ggml_type, y, col)
+            ext.gemm(*acts, q, fmt.ggml_type, y, col, path)
             col += q.shape[0]
         return y
+
+    def _prompt(self, ext: Any, x2: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        """Prompt rows: the dense GEMM on dequantized weights (reference), or below AVX-512 the
+        tiles in 256-bit lanes on the int16 codes (prompt_tiles)."""
+        if prompt_tiles(ext):
+            return self._int16(ext, x2, TILES)
+        return self.reference(x2, ext)
 
     def _triton(self) -> bool:
         """Every segment in a format the Triton kernel reads (all of qformats.FORMATS but the

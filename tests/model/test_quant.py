@@ -108,17 +108,21 @@ def test_zero_rows_and_the_packed_op() -> None:
 def test_prompt_rows_dequantize_in_cpp_with_the_references_bits(name, quant_isa) -> None:
     """From PROMPT_ROWS rows on: C++ dequantized slices (bit-equal to the torch reference, and in
     bf16 to its rounding, at every ISA level: AVX-512 has a vector loop) and the dense GEMM on
-    float activations."""
+    float activations; below AVX-512 such calls take the tiles on the int16 codes instead."""
     lin, w = _lin({"": (300, name)}, 512, seed=random.randrange(1 << 20))
+    ext = quant.kernel()
     out = torch.empty(300, 512)
-    quant.kernel().dequant(lin.qweight0, FORMATS[name].ggml_type, out)
+    ext.dequant(lin.qweight0, FORMATS[name].ggml_type, out)
     assert torch.equal(out, w)
     out16 = torch.empty(300, 512, dtype=torch.bfloat16)
-    quant.kernel().dequant(lin.qweight0, FORMATS[name].ggml_type, out16)
+    ext.dequant(lin.qweight0, FORMATS[name].ggml_type, out16)
     assert torch.equal(out16, w.bfloat16())
     x = torch.randn(quant.PROMPT_ROWS + 5, 512)
     ref = x.double() @ w.double().t()
-    assert ((lin(x).double() - ref).norm() / ref.norm()).item() < 1e-6
+    assert ((lin.reference(x, ext).double() - ref).norm() / ref.norm()).item() < 1e-6
+    tiles = quant_isa in ("avxvnni", "avx2")
+    assert quant.prompt_tiles(ext) == tiles
+    assert torch.equal(lin(x), lin._int16(ext, x, quant.TILES) if tiles else lin.reference(x, ext))
 
 
 @needs_kernel
@@ -323,3 +327,47 @@ def test_tile_paths_match_the_codes_product_and_each_others_bits(name, tile_isa)
     for dtype in (torch.bfloat16, torch.float16):  # the tiles' vector bf16 stores round as c10 does
         xl = x[:17].to(dtype)
         assert torch.equal(_path(lin, xl, 2), _path(lin, xl, 1)), dtype
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("level", ["avxvnni", "avx2"])
+def test_prompt_tiles_below_avx512_match_the_codes_product_and_the_avx512_tiles(name, level, monkeypatch) -> None:
+    """The avx2 and avxvnni builds' tiles in 256-bit lanes (csrc/quant_tiles_ymm.h: prompt rows
+    there): within the vector path's bound of the float64 product of the same int16 codes, each
+    row's bits the same alone or in calls of any size at any offset (1-3 rows: a partial weight
+    step; 16, 17: a full and a padded activation group), N not a multiple of 16, fp32 and bf16
+    out; and where this CPU runs the avx512 level, the same bits as its tiles in VNNI lanes."""
+    from flatserve import device as dev
+
+    from tests.conftest import _at_level
+
+    _at_level(level, monkeypatch)
+    ext = quant.kernel()
+    assert ext.isa() == level
+    rng = random.Random()
+    k = rng.choice([256, 512, 768])
+    n = rng.choice([37, 64])
+    lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
+    x = torch.randn(40, k) * torch.rand(40, 1) * 4  # fp32 out: bf16 rounding would hide a last bit
+    full = _path(lin, x, 2)
+    xa = _act_dequant(x).double()
+    ref = xa @ w.double().t()
+    err = (full.double() - ref).abs()
+    bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
+    assert ((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all()
+    for m in [1, 2, 3, 5, 16, 17, rng.randrange(6, 40)]:
+        off = rng.randrange(0, 40 - m + 1)
+        assert torch.equal(_path(lin, x[off:off + m], 2), full[off:off + m]), (m, off)
+    xl = x[:17].bfloat16()
+    low = _path(lin, xl, 2)  # bf16 out: each result rounded as c10 rounds the fp32 one
+    acts = ext.quantize_act(xl)
+    y32 = torch.empty(17, n)
+    ext.gemm(*acts, lin.qweight0, FORMATS[name].ggml_type, y32, 0, path=2)
+    assert torch.equal(low, y32.bfloat16())
+    if "avx512" in dev.cpu_isa_levels():
+        monkeypatch.setenv("FLATSERVE_CPU_ISA", "avx512")
+        assert quant.kernel().isa() == "avx512"
+        assert torch.equal(_path(lin, x, 2), full)
+        assert torch.equal(_path(lin, xl, 2), low)
+

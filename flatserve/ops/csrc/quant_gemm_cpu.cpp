@@ -48,6 +48,7 @@
 #include "quant_amx.h"
 #include "quant_rows.h"
 #include "quant_vnni.h"
+#include "quant_tiles_ymm.h"
 #include "greedy_q4.h"
 #include "greedy_q8.h"
 #include "greedy_q4t.h"
@@ -332,14 +333,19 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
 #if defined(__AVX512VNNI__)
   if (path != AUTO || ((g_rows16_mask >> std::min(fmt, 62)) & 1) || !QG_AVX2) {
     if (path == TILES || (path == AUTO && M > vnni_rows(fmt))) {  // the tiles in VNNI lanes
-      flatserve::qvnni::ActPairs pairs;
-      flatserve::qvnni::act_pairs(a.q, a.d, a.s, M, K, pairs);
+      flatserve::qblocks::ActPairs pairs;
+      flatserve::qblocks::act_pairs(a.q, a.d, a.s, M, K, pairs);
       return flatserve::qvnni::gemm(pairs, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
     }
     return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
   }
 #endif
 #if QG_AVX2
+  if (path == TILES) {  // below AVX-512: the tiles in 256-bit lanes (prompt rows, quant.py)
+    flatserve::qblocks::ActPairs pairs;
+    flatserve::qblocks::act_pairs(a.q, a.d, a.s, M, K, pairs);
+    return flatserve::qymm::gemm(pairs, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
+  }
   if (M <= 4) {
     switch (fmt) {
       case Q4_0: return gemm_direct<Q4_0>(a, M, w, N, row_bytes, out, ldo);

@@ -1,0 +1,168 @@
+// The VNNI tiles' quantized GEMM (csrc/quant_vnni.h) in 256-bit lanes: prompt rows at the avx2 and
+// avxvnni levels (CPUs without AVX-512: AMD Zen 2/3, Intel client cores), with the tiles' bits.
+//
+// Why: there a prompt row's linears were a dense fp32 GEMM on dequantized weights (MKL, AVX2: 8
+// multiply-adds an FMA), about half of a served 16-stream run. Here `vpdpwssd` (AVX-VNNI) does 16
+// int16 products an instruction, twice the FMA's; without VNNI, `vpmaddwd` + `vpaddd` do them in
+// two instructions on different ports. The codes are the int16 ones generated rows already use
+// (fidelity: docs/models.md).
+//
+// How: as quant_vnni.h, with the activation group's 16 rows in two ymm (rows 0-7, 8-15) instead of
+// one zmm; four weight rows a step (8 dot chains, 2 activation vectors and a broadcast fit the 16
+// registers; the float accumulators live in L1 and are updated once a block). The float
+// operations after each block's integer dot are the tiles', in their order, so a row's bits are
+// those of the tiles on an AVX-512 CPU, whatever its call:
+//
+//   acc = fma(float(S) * w_scale, x_scale, acc)          per block (or half block), in order
+//   acc = fma(-w_min, x_sum, acc)                        K formats' offsets, after each block
+#pragma once
+
+#include "quant_blocks.h"
+
+#if QG_AVX2
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace flatserve::qymm {
+
+using namespace flatserve::qblocks;
+
+constexpr int R = 4;  // weight rows a step
+
+// One step (J = 16 pairs: a block; 8: a half block) of R weight rows (wr[i]: its int16 codes)
+// against an activation group's pairs xb: S[i][h] lane t = the exact int32 dot of weight row i and
+// activation row 8 h + t.
+template <int J>
+__attribute__((always_inline)) inline void dots(const int16_t* const wr[R], const int16_t* xb, __m256i S[R][2]) {
+  for (int i = 0; i < R; ++i) S[i][0] = S[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+  for (int j = 0; j < J; ++j) {
+    const __m256i x0 = ld(xb + 32 * j), x1 = ld(xb + 32 * j + 16);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, wr[i] + 2 * j, 4);
+      const __m256i w = _mm256_set1_epi32(pair);
+#if defined(__AVXVNNI__)
+      S[i][0] = _mm256_dpwssd_avx_epi32(S[i][0], x0, w);
+      S[i][1] = _mm256_dpwssd_avx_epi32(S[i][1], x1, w);
+#else
+      S[i][0] = _mm256_add_epi32(S[i][0], _mm256_madd_epi16(x0, w));
+      S[i][1] = _mm256_add_epi32(S[i][1], _mm256_madd_epi16(x1, w));
+#endif
+    }
+  }
+}
+
+// R weight rows (codes w16 + r * K, scales scT[2 b + h][16], offsets mnT[b][16], from row r0)
+// against activation group g -> acc[i][t]: activation row 16 g + t, weight row r0 + i.
+template <bool halves, bool mins>
+inline void rows_r(const int16_t* w16, int64_t K, const float* scT, const float* mnT, int r0, const ActPairs& a,
+                   int64_t g, float acc[R][16], Prefetch& pf) {
+  for (int i = 0; i < R; ++i) std::fill(acc[i], acc[i] + 16, 0.f);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    pf.step();
+    const int16_t* xb = a.x_at(g, b);
+    const float* xd = a.d_at(g, b);
+    const __m256 xd0 = _mm256_loadu_ps(xd), xd1 = _mm256_loadu_ps(xd + 8);
+    const int16_t* wr[R];
+    for (int i = 0; i < R; ++i) wr[i] = w16 + (r0 + i) * K + 32 * b;
+    __m256i S[R][2];
+    for (int h = 0; h < (halves ? 2 : 1); ++h) {
+      if constexpr (halves) {
+        const int16_t* wh[R];
+        for (int i = 0; i < R; ++i) wh[i] = wr[i] + 16 * h;
+        dots<8>(wh, xb + 256 * h, S);
+      } else {
+        dots<16>(wr, xb, S);
+      }
+      const float* sc = scT + (2 * b + h) * 16 + r0;
+      for (int i = 0; i < R; ++i) {
+        const __m256 s = _mm256_set1_ps(sc[i]);
+        const __m256 a0 = _mm256_mul_ps(_mm256_cvtepi32_ps(S[i][0]), s);
+        const __m256 a1 = _mm256_mul_ps(_mm256_cvtepi32_ps(S[i][1]), s);
+        _mm256_storeu_ps(acc[i], _mm256_fmadd_ps(a0, xd0, _mm256_loadu_ps(acc[i])));
+        _mm256_storeu_ps(acc[i] + 8, _mm256_fmadd_ps(a1, xd1, _mm256_loadu_ps(acc[i] + 8)));
+      }
+    }
+    if constexpr (mins) {
+      const float* xs = a.s_at(g, b);
+      const __m256 xs0 = _mm256_loadu_ps(xs), xs1 = _mm256_loadu_ps(xs + 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256 m = _mm256_set1_ps(-mnT[16 * b + r0 + i]);
+        _mm256_storeu_ps(acc[i], _mm256_fmadd_ps(m, xs0, _mm256_loadu_ps(acc[i])));
+        _mm256_storeu_ps(acc[i] + 8, _mm256_fmadd_ps(m, xs1, _mm256_loadu_ps(acc[i] + 8)));
+      }
+    }
+  }
+}
+
+// 16 weight rows as int16 codes [16][K], scales transposed scT[K / 16][16] and offsets mnT[K /
+// 32][16], from unpack_block (its float products: the tiles' bits); rows past N (r >= nn) repeat
+// row nn - 1 (read, never stored). Once per 16 weight rows, against every activation group of
+// the call (a prompt chunk's 128 groups of 16 rows): not worth the AVX-512 level's gathers.
+struct WGroup {
+  std::vector<int16_t> w16;
+  std::vector<float> scT, mnT;
+  std::vector<int8_t> v;
+  float sc[16], mn[8];
+  explicit WGroup(int64_t K) : w16(16 * K, 0), scT(K, 0.f), mnT(K / 2, 0.f), v(256) {}
+
+  void load(const uint8_t* w, int64_t n0, int64_t nn, int64_t row_bytes, int64_t K, int fmt, const Layout& L) {
+    for (int64_t r = 0; r < 16; ++r) {
+      const uint8_t* src = w + (n0 + std::min(r, nn - 1)) * row_bytes;
+      for (int64_t i = 0; i < K / L.block; ++i) {
+        std::fill(mn, mn + 8, 0.f);
+        unpack_block(src + i * L.type_size, fmt, v.data(), sc, mn);
+        const int64_t k0 = i * L.block;
+        for (int l = 0; l < L.block; l += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16.data() + r * K + k0 + l),
+                              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v.data() + l))));
+        for (int j = 0; j < L.block / 16; ++j) scT[(k0 / 16 + j) * 16 + r] = sc[j];
+        for (int j = 0; j < L.block / 32; ++j) mnT[(k0 / 32 + j) * 16 + r] = mn[j];
+      }
+    }
+  }
+};
+
+template <bool halves, bool mins, typename T, typename Store>
+void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt, T* out,
+            int64_t ldo, Store store) {
+  const Layout L = layout(fmt);
+  const int64_t K = 32 * a.nb;
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
+    WGroup wg(K);
+    alignas(32) float acc[R][16];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
+      wg.load(w, n0, nn, row_bytes, K, fmt, L);
+      Prefetch pf;  // the next 16 rows' bytes, spread over this group's steps (quant_blocks.h)
+      if (c + 1 < c1)
+        pf.spread(w + (n0 + 16) * row_bytes, std::min<int64_t>(16, N - n0 - 16) * row_bytes, 4 * a.groups * a.nb);
+      for (int64_t g = 0; g < a.groups; ++g)
+        for (int r0 = 0; r0 < nn; r0 += R) {
+          rows_r<halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, acc, pf);
+          for (int64_t t = 0; t < 16 && 16 * g + t < M; ++t)
+            for (int i = 0; i < R && r0 + i < nn; ++i) store(out + (16 * g + t) * ldo + n0 + r0 + i, acc[i][t]);
+        }
+    }
+  });
+}
+
+// out[m, n] for every activation row m of `a` and weight row n of W (`fmt` blocks, [N, row_bytes]);
+// store(T*, float) writes one result.
+template <typename T, typename Store>
+void gemm(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt, T* out,
+          int64_t ldo, Store store) {
+  if (fmt == Q6_K) return gemm_t<true, false>(a, M, w, N, row_bytes, fmt, out, ldo, store);
+  if (known_layout(fmt).mins) return gemm_t<false, true>(a, M, w, N, row_bytes, fmt, out, ldo, store);
+  return gemm_t<false, false>(a, M, w, N, row_bytes, fmt, out, ldo, store);
+}
+
+}  // namespace flatserve::qymm
+#endif
