@@ -61,7 +61,8 @@ AUTO, TILES = 0, 2  # the kernel's gemm `path`: by row count, or the tiles force
 # 256 and 2,048 rows the default GGUF's linears' shapes took 0.47-0.66x the dense path's time
 # (dequantize + GEMM) at avxvnni and 0.52-0.84x at avx2, every format (`FLATSERVE_CPU_ISA=...
 # benchmarks/dev/cpu_prompt_tiles.py`, 2-core Zen 5, 2026-11-28). The bits: the tiles' of the
-# avx512 level (csrc/quant_vnni.h), so a row's result does not depend on its call.
+# avx512 level (csrc/quant_vnni.h), so a row's result does not depend on its call. At avx512
+# (AVX512-BF16) the dense bf16 GEMM stays: there the tiles took 1.30-1.83x its time (same script).
 PROMPT_TILES_LEVELS = dev.AVX2_LEVELS
 
 
