@@ -8,8 +8,8 @@
 // (fidelity: docs/models.md).
 //
 // How: as quant_vnni.h, with the activation group's 16 rows in two ymm (rows 0-7, 8-15) instead of
-// one zmm; four weight rows a step (8 dot chains, 2 activation vectors and a broadcast fit the 16
-// registers; the float accumulators live in L1 and are updated once a block). The float
+// one zmm; 4 or 6 weight rows a step (RMAX: their dot chains, 2 activation vectors and a broadcast
+// fill the 16 registers; the float accumulators live in L1 and are updated once a block). The float
 // operations after each block's integer dot are the tiles', in their order, so a row's bits are
 // those of the tiles on an AVX-512 CPU, whatever its call:
 //
@@ -32,18 +32,25 @@ namespace flatserve::qymm {
 
 using namespace flatserve::qblocks;
 
-constexpr int R = 4;  // weight rows a step
+// Weight rows a step: 6 (12 dot chains, 15 registers) with AVX-VNNI, 4 without (each vpmaddwd
+// needs a register before its vpaddd). `cpu_prompt_tiles.py`, 2-core Zen 5: at avxvnni 6 rows
+// took 0.95-1.0x 4 rows' time; at avx2 1.0-1.12x.
+#if defined(__AVXVNNI__)
+constexpr int RMAX = 6;
+#else
+constexpr int RMAX = 4;
+#endif
 
 // One step (J = 16 pairs: a block; 8: a half block) of R weight rows (wr[i]: its int16 codes)
 // against an activation group's pairs xb: S[i][h] lane t = the exact int32 dot of weight row i and
 // activation row 8 h + t.
-template <int J>
+template <int J, int R>
 __attribute__((always_inline)) inline void dots(const int16_t* const wr[R], const int16_t* xb, __m256i S[R][2]) {
   for (int i = 0; i < R; ++i) S[i][0] = S[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 16
   for (int j = 0; j < J; ++j) {
     const __m256i x0 = ld(xb + 32 * j), x1 = ld(xb + 32 * j + 16);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
       int32_t pair;
       std::memcpy(&pair, wr[i] + 2 * j, 4);
@@ -61,9 +68,9 @@ __attribute__((always_inline)) inline void dots(const int16_t* const wr[R], cons
 
 // R weight rows (codes w16 + r * K, scales scT[2 b + h][16], offsets mnT[b][16], from row r0)
 // against activation group g -> acc[i][t]: activation row 16 g + t, weight row r0 + i.
-template <bool halves, bool mins>
+template <int R, bool halves, bool mins>
 inline void rows_r(const int16_t* w16, int64_t K, const float* scT, const float* mnT, int r0, const ActPairs& a,
-                   int64_t g, float acc[R][16], Prefetch& pf) {
+                   int64_t g, float acc[][16], Prefetch& pf) {
   for (int i = 0; i < R; ++i) std::fill(acc[i], acc[i] + 16, 0.f);
   for (int64_t b = 0; b < a.nb; ++b) {
     pf.step();
@@ -77,9 +84,9 @@ inline void rows_r(const int16_t* w16, int64_t K, const float* scT, const float*
       if constexpr (halves) {
         const int16_t* wh[R];
         for (int i = 0; i < R; ++i) wh[i] = wr[i] + 16 * h;
-        dots<8>(wh, xb + 256 * h, S);
+        dots<8, R>(wh, xb + 256 * h, S);
       } else {
-        dots<16>(wr, xb, S);
+        dots<16, R>(wr, xb, S);
       }
       const float* sc = scT + (2 * b + h) * 16 + r0;
       for (int i = 0; i < R; ++i) {
@@ -137,18 +144,21 @@ void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t r
   const int64_t K = 32 * a.nb;
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
     WGroup wg(K);
-    alignas(32) float acc[R][16];
+    alignas(32) float acc[RMAX][16];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
       wg.load(w, n0, nn, row_bytes, K, fmt, L);
       Prefetch pf;  // the next 16 rows' bytes, spread over this group's steps (quant_blocks.h)
       if (c + 1 < c1)
-        pf.spread(w + (n0 + 16) * row_bytes, std::min<int64_t>(16, N - n0 - 16) * row_bytes, 4 * a.groups * a.nb);
+        pf.spread(w + (n0 + 16) * row_bytes, std::min<int64_t>(16, N - n0 - 16) * row_bytes, (RMAX == 4 ? 4 : 3) * a.groups * a.nb);
       for (int64_t g = 0; g < a.groups; ++g)
-        for (int r0 = 0; r0 < nn; r0 += R) {
-          rows_r<halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, acc, pf);
+        for (int r0 = 0; r0 < nn;) {
+          const int rr = RMAX == 4 || r0 == 12 ? 4 : 6;  // 16 rows: 6 + 6 + 4, or 4 x 4
+          if (rr == 6) rows_r<6, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, acc, pf);
+          else rows_r<4, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, acc, pf);
           for (int64_t t = 0; t < 16 && 16 * g + t < M; ++t)
-            for (int i = 0; i < R && r0 + i < nn; ++i) store(out + (16 * g + t) * ldo + n0 + r0 + i, acc[i][t]);
+            for (int i = 0; i < rr && r0 + i < nn; ++i) store(out + (16 * g + t) * ldo + n0 + r0 + i, acc[i][t]);
+          r0 += rr;
         }
     }
   });
