@@ -8,7 +8,7 @@ K formats' other blocks.
 
     FLATSERVE_CPU_ISA=avx2 .venv/bin/python benchmarks/dev/cpu_prompt_tiles.py [--rows 256,2048]
 
-quant.PROMPT_TILES_LEVELS came from this script.
+quant.PROMPT_INT16_LEVELS came from this script.
 """
 from __future__ import annotations
 

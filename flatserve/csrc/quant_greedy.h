@@ -29,6 +29,8 @@ std::vector<at::Tensor> greedy_argmax(const at::Tensor& x, const at::Tensor& w8,
 #if defined(__AVX512BW__)
     if (q8_rows16)
       return flatserve::qblocks::exact(u, false, false, ac.q + t * K, ac.d + t * nb, ac.s + t * nb, nb);
+#elif QG_AVX2  // below AVX-512 every gemm call has the tiles' bits
+    return flatserve::qymm::exact_q8(u.raw, ac.q + t * K, ac.d + t * nb, nb);
 #endif
     float r;
     dot_rows<1>(u, ac, t, false, &r);

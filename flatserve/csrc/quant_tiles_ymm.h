@@ -18,6 +18,7 @@
 #pragma once
 
 #include "quant_blocks.h"
+#include "quant_rows.h"
 
 #if QG_AVX2
 #include <ATen/Parallel.h>
@@ -162,6 +163,118 @@ void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t r
         }
     }
   });
+}
+
+// rows8: calls of a few rows (decode steps) with the tiles' bits, as rows16 (csrc/quant_rows.h)
+// gives them at the avx512 level: 8 weight rows in the lanes, each block's integer dot of each
+// (activation row, weight row) exact in int32 whatever its order, then the tiles' float operations
+// per lane. The weight rows' blocks come from their stored bytes (DirectRow), widened to int16 in
+// ACT_ORDER once a block into wb for the call's activation rows; per activation row 8 madd2 and a
+// 6-hadd tree leave row r's sums of values 0-15 and 16-31 in lane r of S0, S1.
+template <int MS, bool halves, bool mins, typename Rows>
+inline void rows8(Rows& rows, const int16_t* const xq[MS], const float* const xd[MS], const float* const xs[MS],
+                  int64_t nb, __m256 acc[MS], Prefetch& pf) {
+  alignas(32) int16_t wb[8][32];
+  alignas(32) float s0[8], s1[8], mn[8];
+  for (int t = 0; t < MS; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    pf.step();
+    for (int r = 0; r < 8; ++r) {
+      __m256i wv;
+      rows[r].get(b, wv, s0[r], s1[r]);
+      wv = _mm256_permute4x64_epi64(wv, 0xD8);  // values 0-7, 16-23 | 8-15, 24-31: ACT_ORDER
+      _mm256_store_si256(reinterpret_cast<__m256i*>(wb[r]), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(wb[r] + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1)));
+      if constexpr (mins) mn[r] = -rows[r].mn[b];
+    }
+    const __m256 sc0 = _mm256_load_ps(s0), sc1 = _mm256_load_ps(s1);
+    for (int t = 0; t < MS; ++t) {
+      const __m256i xa = ld(xq[t] + 32 * b), xb = ld(xq[t] + 32 * b + 16);
+      __m256i p[8];
+      for (int r = 0; r < 8; ++r) p[r] = madd2(ld(wb[r]), xa, ld(wb[r] + 16), xb);  // lanes 0-3: 0-15
+      const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+      const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+      const __m256i S0 = _mm256_permute2x128_si256(q0, q1, 0x20), S1 = _mm256_permute2x128_si256(q0, q1, 0x31);
+      const __m256 d = _mm256_set1_ps(xd[t][b]);
+      if constexpr (halves) {
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S0), sc0), d, acc[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S1), sc1), d, acc[t]);
+      } else {
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(S0, S1)), sc0), d, acc[t]);
+      }
+      if constexpr (mins) acc[t] = _mm256_fmadd_ps(_mm256_load_ps(mn), _mm256_set1_ps(xs[t][b]), acc[t]);
+    }
+  }
+}
+
+// out[m, n] for m < M (quantize_act's codes q, scales d, sums s) and weight row n, by rows8.
+template <int fmt, typename T, typename Store>
+void gemm_rows8(const int16_t* q, const float* d, const float* s, int64_t K, int64_t M, const uint8_t* w, int64_t N,
+                int64_t row_bytes, T* out, int64_t ldo, Store store) {
+  constexpr bool halves = fmt == Q6_K, mins = known_layout(fmt).mins;
+  const int64_t nb = K / 32;
+  at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> mnbuf(8 * nb);
+    DirectRow<fmt> rows[8];
+    for (int r = 0; r < 8; ++r) rows[r].mn = mnbuf.data() + r * nb;
+    alignas(32) float res[8];
+    __m256 acc[4];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = 8 * c, nn = std::min<int64_t>(8, N - n0);
+      for (int r = 0; r < 8; ++r) rows[r].row = w + (n0 + std::min<int64_t>(r, nn - 1)) * row_bytes;
+      Prefetch pf;  // 8 interleaved row streams: the next 8 rows requested a few lines a block
+      if (c + 1 < c1)
+        pf.spread(w + (n0 + 8) * row_bytes, std::min<int64_t>(8, N - n0 - 8) * row_bytes, (M + 3) / 4 * nb);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t ms = std::min<int64_t>(4, M - m0);
+        const int16_t* xq[4];
+        const float *xd[4], *xs[4];
+        for (int64_t t = 0; t < 4; ++t) {
+          const int64_t m = m0 + std::min(t, ms - 1);
+          xq[t] = q + m * K, xd[t] = d + m * nb, xs[t] = s + m * nb;
+        }
+        if (ms == 1) rows8<1, halves, mins>(rows, xq, xd, xs, nb, acc, pf);
+        else if (ms == 2) rows8<2, halves, mins>(rows, xq, xd, xs, nb, acc, pf);
+        else if (ms == 3) rows8<3, halves, mins>(rows, xq, xd, xs, nb, acc, pf);
+        else rows8<4, halves, mins>(rows, xq, xd, xs, nb, acc, pf);
+        for (int64_t t = 0; t < ms; ++t) {
+          _mm256_store_ps(res, acc[t]);
+          for (int64_t r = 0; r < nn; ++r) store(out + (m0 + t) * ldo + n0 + r, res[r]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T, typename Store>
+void gemm_rows8_any(int fmt, const int16_t* q, const float* d, const float* s, int64_t K, int64_t M,
+                    const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo, Store store) {
+  switch (fmt) {
+    case Q4_0: return gemm_rows8<Q4_0>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
+    case Q5_0: return gemm_rows8<Q5_0>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
+    case Q8_0: return gemm_rows8<Q8_0>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
+    case Q4_K: return gemm_rows8<Q4_K>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
+    case Q5_K: return gemm_rows8<Q5_K>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
+    case Q6_K: return gemm_rows8<Q6_K>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
+    case Q4_G: return gemm_rows8<Q4_G>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
+  }
+  TORCH_CHECK(false, "quant_gemm: unknown format ", fmt);
+}
+
+// One Q8_0 row's logit for one activation row (codes xq in ACT_ORDER, scales xd), rows8's bits:
+// the greedy heads' rescoring at these levels.
+inline float exact_q8(const uint8_t* raw, const int16_t* xq, const float* xd, int64_t nb) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = _mm256_permute4x64_epi64(ld(raw + 34 * b + 2), 0xD8);
+    const __m256i p = madd2(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv)), ld(xq + 32 * b),
+                            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1)), ld(xq + 32 * b + 16));
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    const int32_t S = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
+    acc = std::fma(static_cast<float>(S) * h2f(raw + 34 * b), xd[b], acc);
+  }
+  return acc;
 }
 
 // out[m, n] for every activation row m of `a` and weight row n of W (`fmt` blocks, [N, row_bytes]);

@@ -43,7 +43,7 @@ SLICE_BYTES = 4 << 20  # reference path: fp32 rows dequantized at a time
 # one per 256 rows (each piece re-read the activation chunk and wrote a strided slice of the
 # output): the default GGUF's four layer linears on a 2,048-token chunk 274 -> 245 ms (2-core EPYC).
 # Generated tokens' rows take the int16-activation kernel (_generated_rows); below AVX-512 prompt
-# rows do too, on the tiles (PROMPT_TILES_LEVELS).
+# rows do too (PROMPT_INT16_LEVELS).
 PROMPT_ROWS = 32
 DENSE_BYTES = 16 << 20
 ROW_TILE = 128  # the float GEMM runs in calls of this many rows: see _dense_rows
@@ -55,15 +55,15 @@ ROW_TILE = 128  # the float GEMM runs in calls of this many rows: see _dense_row
 ACT_ORDER = tuple(range(8)) + tuple(range(16, 24)) + tuple(range(8, 16)) + tuple(range(24, 32))
 QUANTIZATIONS = ("int8", "q8_0", "q4_0")  # --quantization for float checkpoints
 AUTO, TILES = 0, 2  # the kernel's gemm `path`: by row count, or the tiles forced
-# Prompt rows below AVX-512 (the avx2 and avxvnni builds): the tiles in 256-bit lanes
-# (csrc/quant_tiles_ymm.h) on the int16 codes instead of the dense fp32 GEMM, whose MKL runs 8
-# multiply-adds an FMA there (AVX2; also on AMD CPUs that have AVX-512: MKL's path for them). At
-# 256 and 2,048 rows the default GGUF's linears' shapes took 0.47-0.66x the dense path's time
-# (dequantize + GEMM) at avxvnni and 0.52-0.84x at avx2, every format (`FLATSERVE_CPU_ISA=...
-# benchmarks/dev/cpu_prompt_tiles.py`, 2-core Zen 5, 2026-11-28). The bits: the tiles' of the
-# avx512 level (csrc/quant_vnni.h), so a row's result does not depend on its call. At avx512
-# (AVX512-BF16) the dense bf16 GEMM stays: there the tiles took 1.30-1.83x its time (same script).
-PROMPT_TILES_LEVELS = dev.AVX2_LEVELS
+# Prompt rows below AVX-512 (the avx2 and avxvnni builds) take the int16 codes too, on the tiles in
+# 256-bit lanes (csrc/quant_tiles_ymm.h; rows8 for calls of a few rows, the same bits), instead of
+# the dense fp32 GEMM, whose MKL runs 8 multiply-adds an FMA there (AVX2; also on AMD CPUs that
+# have AVX-512: MKL's path for them). At 256 and 2,048 rows the default GGUF's linears' shapes
+# took 0.47-0.66x the dense path's time (dequantize + GEMM) at avxvnni and 0.52-0.84x at avx2,
+# every format (`FLATSERVE_CPU_ISA=... benchmarks/dev/cpu_prompt_tiles.py`, 2-core Zen 5,
+# 2026-11-28). At avx512 (AVX512-BF16) the dense bf16 GEMM stays: there the tiles took 1.30-1.83x
+# its time (same script).
+PROMPT_INT16_LEVELS = dev.AVX2_LEVELS
 
 
 # Without AMX (the avx512 level: AMD Zen 4) the formats whose calls take the tiles' bits: rows16
@@ -78,9 +78,9 @@ ROWS16_FORMATS = os.environ.get("FLATSERVE_QUANT_ROWS16") or "all"
 _rows16_set: set[int] = set()
 
 
-def prompt_tiles(ext: Any) -> bool:
-    """Whether this build's prompt rows take the tiles (PROMPT_TILES_LEVELS)."""
-    return ext.isa() in PROMPT_TILES_LEVELS
+def prompt_int16(ext: Any) -> bool:
+    """Whether this build's prompt rows take the int16 codes (PROMPT_INT16_LEVELS)."""
+    return ext.isa() in PROMPT_INT16_LEVELS
 
 
 def kernel() -> object | None:
@@ -258,9 +258,9 @@ class QuantLinear(nn.Module):
 
     def _prompt(self, ext: Any, x2: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         """Prompt rows: the dense GEMM on dequantized weights (reference), or below AVX-512 the
-        tiles in 256-bit lanes on the int16 codes (prompt_tiles)."""
-        if prompt_tiles(ext):
-            return self._int16(ext, x2, TILES)
+        int16 codes (prompt_int16)."""
+        if prompt_int16(ext):
+            return self._int16(ext, x2)
         return self.reference(x2, ext)
 
     def _triton(self) -> bool:

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from flatserve import device as dev
 from flatserve.model import quant
 from flatserve.model.qformats import FORMATS, dequantize
 from tests.model.test_qformats import random_blocks
@@ -108,7 +109,7 @@ def test_zero_rows_and_the_packed_op() -> None:
 def test_prompt_rows_dequantize_in_cpp_with_the_references_bits(name, quant_isa) -> None:
     """From PROMPT_ROWS rows on: C++ dequantized slices (bit-equal to the torch reference, and in
     bf16 to its rounding, at every ISA level: AVX-512 has a vector loop) and the dense GEMM on
-    float activations; below AVX-512 such calls take the tiles on the int16 codes instead."""
+    float activations; below AVX-512 such calls take the int16 codes instead."""
     lin, w = _lin({"": (300, name)}, 512, seed=random.randrange(1 << 20))
     ext = quant.kernel()
     out = torch.empty(300, 512)
@@ -120,9 +121,9 @@ def test_prompt_rows_dequantize_in_cpp_with_the_references_bits(name, quant_isa)
     x = torch.randn(quant.PROMPT_ROWS + 5, 512)
     ref = x.double() @ w.double().t()
     assert ((lin.reference(x, ext).double() - ref).norm() / ref.norm()).item() < 1e-6
-    tiles = quant_isa in ("avxvnni", "avx2")
-    assert quant.prompt_tiles(ext) == tiles
-    assert torch.equal(lin(x), lin._int16(ext, x, quant.TILES) if tiles else lin.reference(x, ext))
+    int16 = quant_isa in dev.AVX2_LEVELS
+    assert quant.prompt_int16(ext) == int16
+    assert torch.equal(lin(x), lin._int16(ext, x) if int16 else lin.reference(x, ext))
 
 
 @needs_kernel
@@ -332,14 +333,14 @@ def test_tile_paths_match_the_codes_product_and_each_others_bits(name, tile_isa)
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("level", ["avxvnni", "avx2"])
-def test_prompt_tiles_below_avx512_match_the_codes_product_and_the_avx512_tiles(name, level, monkeypatch) -> None:
-    """The avx2 and avxvnni builds' tiles in 256-bit lanes (csrc/quant_tiles_ymm.h: prompt rows
-    there): within the vector path's bound of the float64 product of the same int16 codes, each
-    row's bits the same alone or in calls of any size at any offset (1-3 rows: a partial weight
-    step; 16, 17: a full and a padded activation group), N not a multiple of 16, fp32 and bf16
-    out; and where this CPU runs the avx512 level, the same bits as its tiles in VNNI lanes."""
-    from flatserve import device as dev
-
+def test_ymm_paths_below_avx512_match_the_codes_product_and_the_avx512_tiles(name, level, monkeypatch) -> None:
+    """The avx2 and avxvnni builds' two paths (csrc/quant_tiles_ymm.h): the tiles in 256-bit lanes
+    (prompt rows, and calls above a few rows) and rows8 (weight rows in the lanes), within the
+    vector path's bound of the float64 product of the same int16 codes, each row's bits the same
+    on either path, alone or in calls of any size at any offset (1-5 rows: partial rows8 and tile
+    steps; 16, 17: a full and a padded activation group), as the engine calls them (path 0), N
+    not a multiple of 8 or 16, fp32 and bf16 out; and where this CPU runs the avx512 level, the
+    same bits as its tiles in VNNI lanes."""
     from tests.conftest import _at_level
 
     _at_level(level, monkeypatch)
@@ -356,15 +357,19 @@ def test_prompt_tiles_below_avx512_match_the_codes_product_and_the_avx512_tiles(
     err = (full.double() - ref).abs()
     bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
     assert ((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all()
-    for m in [1, 2, 3, 5, 16, 17, rng.randrange(6, 40)]:
+    assert torch.equal(_path(lin, x, 1), full)
+    for m in [1, 2, 3, 4, 5, 8, 9, 16, 17, rng.randrange(6, 40)]:
         off = rng.randrange(0, 40 - m + 1)
-        assert torch.equal(_path(lin, x[off:off + m], 2), full[off:off + m]), (m, off)
+        for path in (0, 1, 2):
+            assert torch.equal(_path(lin, x[off:off + m], path), full[off:off + m]), (m, off, path)
+    assert torch.equal(lin._int16(ext, x), full)  # the engine's own calls
     xl = x[:17].bfloat16()
     low = _path(lin, xl, 2)  # bf16 out: each result rounded as c10 rounds the fp32 one
     acts = ext.quantize_act(xl)
     y32 = torch.empty(17, n)
     ext.gemm(*acts, lin.qweight0, FORMATS[name].ggml_type, y32, 0, path=2)
     assert torch.equal(low, y32.bfloat16())
+    assert torch.equal(_path(lin, xl[:3], 1), low[:3])  # rows8's stores round alike
     if "avx512" in dev.cpu_isa_levels():
         monkeypatch.setenv("FLATSERVE_CPU_ISA", "avx512")
         assert quant.kernel().isa() == "avx512"

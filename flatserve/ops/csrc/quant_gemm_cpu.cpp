@@ -19,7 +19,10 @@
 // unpack and dot per 32 values in 256-bit registers, the weight codes sign-extended to int16 and
 // multiplied by vpmaddwd. Without AVX2 the same arithmetic runs in plain C++. At the amx level
 // every format takes AMX-INT8 tiles or their bits in AVX-512 lanes instead (tile_rows below); at
-// the avx512 level the tiles' bits too, their integer dots in VNNI lanes (csrc/quant_vnni.h).
+// the avx512 level the tiles' bits too, their integer dots in VNNI lanes (csrc/quant_vnni.h); at
+// the avx2 and avxvnni levels the tiles' bits as well, in 256-bit lanes (csrc/quant_tiles_ymm.h:
+// rows8, then the tiles, ymm_rows below). So the vector path above serves only the avx512 build's
+// formats left off quant.ROWS16_FORMATS (an A/B switch) and, in plain C++, the portable build.
 //
 // Why int16 activation codes (llama.cpp uses int8): int8 codes (amax / 127 per step) cost the
 // default GGUF 4 points of teacher-forced top-1 agreement (95.9% against its fp32 weights,
@@ -313,6 +316,14 @@ inline int64_t tile_rows(int fmt) { return fmt == Q8_0 ? 4 : 6; }
 // 0.87-0.95x at 8; the layers' q5_0 / q4_k / q6_k 0.95-1.43x at 6 rows, 0.77-1.09x at 8 and
 // 0.41-0.69x at 16.
 inline int64_t vnni_rows(int fmt) { return fmt == Q8_0 ? 6 : 8; }
+// Below AVX-512 (the avx2 and avxvnni builds), rows8 up to this many rows and the tiles in 256-bit
+// lanes above (csrc/quant_tiles_ymm.h), the same bits. rows8 against the tiles, the default GGUF's
+// shapes (a scratch loop over `gemm`'s paths 1 and 2, bf16, 2-core Zen 5 forced to avxvnni,
+// 2026-11-28; avx2 alike): q5_0 4,096 x 640 at 8 / 12 / 16 rows 0.24 / 0.35 / 0.47 against 0.37-0.39
+// ms, q4_k 640 x 2,048 0.17 / 0.25 / 0.33 against 0.17-0.18; Q8_0 (no unpack) rows8 at every row
+// count: the 262k x 640 LM head 12.3 / 18.5 / 24.4 against 23-29 ms, 640 x 1,024 0.05-0.09 against
+// 0.10-0.11.
+inline int64_t ymm_rows(int fmt) { return fmt == Q8_0 ? 16 : 8; }
 
 template <typename T>
 void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt,
@@ -340,12 +351,19 @@ void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t ro
     return rows16_any(fmt, a, M, w, N, row_bytes, out, ldo);
   }
 #endif
-#if QG_AVX2
-  if (path == TILES) {  // below AVX-512: the tiles in 256-bit lanes (prompt rows, quant.py)
+#if QG_AVX2 && !defined(__AVX512VNNI__)
+  // Below AVX-512 every call has the tiles' bits: the tiles in 256-bit lanes above ymm_rows rows,
+  // rows8 at or below (csrc/quant_tiles_ymm.h).
+  if (path == TILES || (path == AUTO && M > ymm_rows(fmt))) {
     flatserve::qblocks::ActPairs pairs;
     flatserve::qblocks::act_pairs(a.q, a.d, a.s, M, K, pairs);
     return flatserve::qymm::gemm(pairs, M, w, N, row_bytes, fmt, out, ldo, [](T* p, float x) { store(p, x); });
   }
+  if (path == ROWS || path == AUTO)
+    return flatserve::qymm::gemm_rows8_any(fmt, a.q, a.d, a.s, K, M, w, N, row_bytes, out, ldo,
+                                           [](T* p, float x) { store(p, x); });
+#endif
+#if QG_AVX2
   if (M <= 4) {
     switch (fmt) {
       case Q4_0: return gemm_direct<Q4_0>(a, M, w, N, row_bytes, out, ldo);
