@@ -1,8 +1,9 @@
 // Decode-sized calls of the quantized GEMM (ops/csrc/quant_gemm_cpu.cpp), each weight row's
 // stored blocks read straight into registers, no unpack buffer:
 //
-// - the AVX2 vector path (1-4 activation rows; the avx2 level, and at the avx512 level the
-//   formats quant.ROWS16_FORMATS leaves out: none by default), one row at a time: DirectRow;
+// - the AVX2 vector path (1-4 activation rows; at the avx512 level the formats
+//   quant.ROWS16_FORMATS leaves out: none by default), one row at a time: DirectRow, through
+//   which the avx2 and avxvnni levels' rows8 (csrc/quant_tiles_ymm.h) also reads its blocks;
 // - at the amx level, and at the avx512 level for the formats quant.ROWS16_FORMATS names (all),
 //   `rows16` (rows16_b32, rows16_k below): 16 weight rows at a time in AVX-512 lanes by VNNI
 //   byte dots, computing the AMX tiles' bits (csrc/quant_amx.h) for any format, so a call takes

@@ -21,6 +21,8 @@ CPU_SEQS, CPU_TOKENS = 64, 2048  # measured right on CPUs (docs/performance-cpu.
 # 2,048 and 1.25 / 1.27 at 512, out tok/s 54.8 / 49.0 vs 45.5 / 52.6 (two alternated rounds,
 # within their spread; 2026-11-27); the default GGUF, same set-up: 0.89 vs 1.00-1.03 GiB, 47.3 /
 # 50.2 vs 52.6 / 49.6 tok/s, TTFT p50 5.1-5.3 vs 6.8-7.3 s. llama.cpp's prompt micro-batch is 512.
+# (A GGUF's quantized linears there take int16 codes on prompt rows too since 2026-11-28
+# (model/quant.py, PROMPT_INT16_LEVELS): no widened weight; 512 not re-measured for them.)
 CPU_TOKENS_EMULATED_BF16 = 512
 # AVX512-BF16 without AMX (AMD Zen 4): 512 as well. There the served default GGUF keeps its greedy
 # head's 4-bit copy (model/greedy_q8.py, 94 MB), and with 2,048-token chunks' transients the
