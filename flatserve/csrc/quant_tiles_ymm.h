@@ -111,44 +111,46 @@ inline void rows_r(const int16_t* w16, int64_t K, const float* scT, const float*
 }
 
 // 16 weight rows as int16 codes [16][K], scales transposed scT[K / 16][16] and offsets mnT[K /
-// 32][16], from unpack_block (its float products: the tiles' bits); rows past N (r >= nn) repeat
-// row nn - 1 (read, never stored). Once per 16 weight rows, against every activation group of
-// the call (a prompt chunk's 128 groups of 16 rows): not worth the AVX-512 level's gathers.
+// 32][16], each block read from its stored bytes by DirectRow (its float products: the tiles'
+// bits); rows past N (r >= nn) repeat row nn - 1 (read, never stored). Once per 16 weight rows,
+// against every activation group of the call. Through unpack_block's int8 buffer and scalar
+// scale loops instead, a 16-row call of the q5_0 4,096 x 640 took 0.59-0.65 ms against 0.34-0.38
+// (the LM head 35-38 against 20-23; q4_k 640 x 2,048 0.23-0.27 against 0.26-0.30: a wash).
+template <int fmt>
 struct WGroup {
   std::vector<int16_t> w16;
-  std::vector<float> scT, mnT;
-  std::vector<int8_t> v;
-  float sc[16], mn[8];
-  explicit WGroup(int64_t K) : w16(16 * K, 0), scT(K, 0.f), mnT(K / 2, 0.f), v(256) {}
+  std::vector<float> scT, mnT, mnbuf;
+  explicit WGroup(int64_t K) : w16(16 * K, 0), scT(K, 0.f), mnT(K / 2, 0.f), mnbuf(K / 32, 0.f) {}
 
-  void load(const uint8_t* w, int64_t n0, int64_t nn, int64_t row_bytes, int64_t K, int fmt, const Layout& L) {
+  void load(const uint8_t* w, int64_t n0, int64_t nn, int64_t row_bytes, int64_t K) {
+    const int64_t nb = K / 32;
+    DirectRow<fmt> dr{nullptr, mnbuf.data(), {}};
     for (int64_t r = 0; r < 16; ++r) {
-      const uint8_t* src = w + (n0 + std::min(r, nn - 1)) * row_bytes;
-      for (int64_t i = 0; i < K / L.block; ++i) {
-        std::fill(mn, mn + 8, 0.f);
-        unpack_block(src + i * L.type_size, fmt, v.data(), sc, mn);
-        const int64_t k0 = i * L.block;
-        for (int l = 0; l < L.block; l += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16.data() + r * K + k0 + l),
-                              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v.data() + l))));
-        for (int j = 0; j < L.block / 16; ++j) scT[(k0 / 16 + j) * 16 + r] = sc[j];
-        for (int j = 0; j < L.block / 32; ++j) mnT[(k0 / 32 + j) * 16 + r] = mn[j];
+      dr.row = w + (n0 + std::min(r, nn - 1)) * row_bytes;
+      int16_t* dst = w16.data() + r * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256i wv;
+        dr.get(b, wv, scT[(2 * b) * 16 + r], scT[(2 * b + 1) * 16 + r]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * b), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * b + 16),
+                            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1)));
       }
+      for (int64_t b = 0; b < nb; ++b) mnT[b * 16 + r] = mnbuf[b];
     }
   }
 };
 
-template <bool halves, bool mins, typename T, typename Store>
-void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt, T* out,
-            int64_t ldo, Store store) {
-  const Layout L = layout(fmt);
+template <int fmt, typename T, typename Store>
+void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo,
+            Store store) {
+  constexpr bool halves = fmt == Q6_K, mins = known_layout(fmt).mins;
   const int64_t K = 32 * a.nb;
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
-    WGroup wg(K);
+    WGroup<fmt> wg(K);
     alignas(32) float acc[RMAX][16];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
-      wg.load(w, n0, nn, row_bytes, K, fmt, L);
+      wg.load(w, n0, nn, row_bytes, K);
       Prefetch pf;  // the next 16 rows' bytes, spread over this group's steps (quant_blocks.h)
       if (c + 1 < c1)
         pf.spread(w + (n0 + 16) * row_bytes, std::min<int64_t>(16, N - n0 - 16) * row_bytes, (RMAX == 4 ? 4 : 3) * a.groups * a.nb);
@@ -282,9 +284,16 @@ inline float exact_q8(const uint8_t* raw, const int16_t* xq, const float* xd, in
 template <typename T, typename Store>
 void gemm(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt, T* out,
           int64_t ldo, Store store) {
-  if (fmt == Q6_K) return gemm_t<true, false>(a, M, w, N, row_bytes, fmt, out, ldo, store);
-  if (known_layout(fmt).mins) return gemm_t<false, true>(a, M, w, N, row_bytes, fmt, out, ldo, store);
-  return gemm_t<false, false>(a, M, w, N, row_bytes, fmt, out, ldo, store);
+  switch (fmt) {
+    case Q4_0: return gemm_t<Q4_0>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q5_0: return gemm_t<Q5_0>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q8_0: return gemm_t<Q8_0>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q4_K: return gemm_t<Q4_K>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q5_K: return gemm_t<Q5_K>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q6_K: return gemm_t<Q6_K>(a, M, w, N, row_bytes, out, ldo, store);
+    case Q4_G: return gemm_t<Q4_G>(a, M, w, N, row_bytes, out, ldo, store);
+  }
+  TORCH_CHECK(false, "quant_gemm: unknown format ", fmt);
 }
 
 }  // namespace flatserve::qymm

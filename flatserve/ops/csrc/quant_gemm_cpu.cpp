@@ -317,13 +317,13 @@ inline int64_t tile_rows(int fmt) { return fmt == Q8_0 ? 4 : 6; }
 // 0.41-0.69x at 16.
 inline int64_t vnni_rows(int fmt) { return fmt == Q8_0 ? 6 : 8; }
 // Below AVX-512 (the avx2 and avxvnni builds), rows8 up to this many rows and the tiles in 256-bit
-// lanes above (csrc/quant_tiles_ymm.h), the same bits. rows8 against the tiles, the default GGUF's
-// shapes (a scratch loop over `gemm`'s paths 1 and 2, bf16, 2-core Zen 5 forced to avxvnni,
-// 2026-11-28; avx2 alike): q5_0 4,096 x 640 at 8 / 12 / 16 rows 0.24 / 0.35 / 0.47 against 0.37-0.39
-// ms, q4_k 640 x 2,048 0.17 / 0.25 / 0.33 against 0.17-0.18; Q8_0 (no unpack) rows8 at every row
-// count: the 262k x 640 LM head 12.3 / 18.5 / 24.4 against 23-29 ms, 640 x 1,024 0.05-0.09 against
-// 0.10-0.11.
-inline int64_t ymm_rows(int fmt) { return fmt == Q8_0 ? 16 : 8; }
+// lanes above (csrc/quant_tiles_ymm.h), the same bits. rows8 against the tiles, ms a call, the
+// default GGUF's shapes (a scratch loop over `gemm`'s paths 1 and 2, bf16, 2-core Zen 5 forced to
+// avxvnni, 2026-11-28, one sitting): q5_0 4,096 x 640 at 6 / 8 / 16 rows 0.34 / 0.40 / 0.80
+// against 0.35 / 0.36 / 0.38; q4_k 640 x 2,048 0.26 / 0.29 / 0.57 against 0.27 / 0.28 / 0.30; Q8_0
+// (no unpack in rows8) 640 x 1,024 0.08 / 0.12 at 8 / 12 rows against 0.09 / 0.10, the 262k x 640
+// LM head 17.5 / 22.5 at 6 / 8 against 21.3 / 21.8.
+inline int64_t ymm_rows(int fmt) { return fmt == Q8_0 ? 8 : 6; }
 
 template <typename T>
 void gemm_impl(const Acts& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt,
