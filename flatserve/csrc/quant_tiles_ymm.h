@@ -1,11 +1,13 @@
-// The VNNI tiles' quantized GEMM (csrc/quant_vnni.h) in 256-bit lanes: prompt rows at the avx2 and
-// avxvnni levels (CPUs without AVX-512: AMD Zen 2/3, Intel client cores), with the tiles' bits.
+// The VNNI tiles' quantized GEMM (csrc/quant_vnni.h) in 256-bit lanes, and rows8 for calls of a few
+// rows: every quantized call at the avx2 and avxvnni levels (CPUs without AVX-512: AMD Zen 2/3,
+// Intel client cores), with the tiles' bits, as the avx512 and amx levels' calls have them.
 //
 // Why: there a prompt row's linears were a dense fp32 GEMM on dequantized weights (MKL, AVX2: 8
 // multiply-adds an FMA), about half of a served 16-stream run. Here `vpdpwssd` (AVX-VNNI) does 16
 // int16 products an instruction, twice the FMA's; without VNNI, `vpmaddwd` + `vpaddd` do them in
-// two instructions on different ports. The codes are the int16 ones generated rows already use
-// (fidelity: docs/models.md).
+// two instructions on different ports. The codes are the int16 ones generated rows already used
+// (fidelity: docs/models.md). And with one set of bits at every row count, a 16-row decode step
+// takes the tiles too without a token's logits depending on its batch.
 //
 // How: as quant_vnni.h, with the activation group's 16 rows in two ymm (rows 0-7, 8-15) instead of
 // one zmm; 4 or 6 weight rows a step (RMAX: their dot chains, 2 activation vectors and a broadcast
