@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -122,6 +123,22 @@ inline __m256i bf16_rne(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 #endif
+
+// f(std::integral_constant<int, F>{}) for the format F = fmt: a kernel templated on the format,
+// chosen at run time.
+template <typename Fn>
+inline void by_format(int fmt, Fn&& f) {
+  switch (fmt) {
+    case Q4_0: return f(std::integral_constant<int, Q4_0>{});
+    case Q5_0: return f(std::integral_constant<int, Q5_0>{});
+    case Q8_0: return f(std::integral_constant<int, Q8_0>{});
+    case Q4_K: return f(std::integral_constant<int, Q4_K>{});
+    case Q5_K: return f(std::integral_constant<int, Q5_K>{});
+    case Q6_K: return f(std::integral_constant<int, Q6_K>{});
+    case Q4_G: return f(std::integral_constant<int, Q4_G>{});
+  }
+  TORCH_CHECK(false, "quant_gemm: unknown format ", fmt);
+}
 
 inline Layout layout(int fmt) {
   const Layout L = known_layout(fmt);

@@ -253,16 +253,7 @@ void gemm_rows8(const int16_t* q, const float* d, const float* s, int64_t K, int
 template <typename T, typename Store>
 void gemm_rows8_any(int fmt, const int16_t* q, const float* d, const float* s, int64_t K, int64_t M,
                     const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo, Store store) {
-  switch (fmt) {
-    case Q4_0: return gemm_rows8<Q4_0>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
-    case Q5_0: return gemm_rows8<Q5_0>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
-    case Q8_0: return gemm_rows8<Q8_0>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
-    case Q4_K: return gemm_rows8<Q4_K>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
-    case Q5_K: return gemm_rows8<Q5_K>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
-    case Q6_K: return gemm_rows8<Q6_K>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
-    case Q4_G: return gemm_rows8<Q4_G>(q, d, s, K, M, w, N, row_bytes, out, ldo, store);
-  }
-  TORCH_CHECK(false, "quant_gemm: unknown format ", fmt);
+  by_format(fmt, [&](auto F) { gemm_rows8<decltype(F)::value>(q, d, s, K, M, w, N, row_bytes, out, ldo, store); });
 }
 
 // One Q8_0 row's logit for one activation row (codes xq in ACT_ORDER, scales xd), rows8's bits:
@@ -286,16 +277,7 @@ inline float exact_q8(const uint8_t* raw, const int16_t* xq, const float* xd, in
 template <typename T, typename Store>
 void gemm(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int fmt, T* out,
           int64_t ldo, Store store) {
-  switch (fmt) {
-    case Q4_0: return gemm_t<Q4_0>(a, M, w, N, row_bytes, out, ldo, store);
-    case Q5_0: return gemm_t<Q5_0>(a, M, w, N, row_bytes, out, ldo, store);
-    case Q8_0: return gemm_t<Q8_0>(a, M, w, N, row_bytes, out, ldo, store);
-    case Q4_K: return gemm_t<Q4_K>(a, M, w, N, row_bytes, out, ldo, store);
-    case Q5_K: return gemm_t<Q5_K>(a, M, w, N, row_bytes, out, ldo, store);
-    case Q6_K: return gemm_t<Q6_K>(a, M, w, N, row_bytes, out, ldo, store);
-    case Q4_G: return gemm_t<Q4_G>(a, M, w, N, row_bytes, out, ldo, store);
-  }
-  TORCH_CHECK(false, "quant_gemm: unknown format ", fmt);
+  by_format(fmt, [&](auto F) { gemm_t<decltype(F)::value>(a, M, w, N, row_bytes, out, ldo, store); });
 }
 
 }  // namespace flatserve::qymm

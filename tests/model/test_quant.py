@@ -270,6 +270,32 @@ def _path(lin, x: torch.Tensor, path: int) -> torch.Tensor:
     return y
 
 
+def _codes_bound_holds(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """got within the vector path's bound of the float64 product of x's int16 codes and w: each
+    product's share rounded at most ~K/32 + 8 times (test_kernel_matches_reference says why)."""
+    k = x.shape[1]
+    xa = _act_dequant(x).double()
+    ref = xa @ w.double().t()
+    err = (got.double() - ref).abs()
+    bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
+    return bool(((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all())
+
+
+def _tiles_case(name: str) -> tuple[quant.QuantLinear, torch.Tensor, torch.Tensor, random.Random]:
+    """A random `name` linear (N = 37 or 64: a padded last weight group or none) and 40 fp32 rows
+    (fp32 out: bf16 rounding would hide a last bit) -> (lin, x, the tiles' result, rng), the result
+    checked within the codes' bound and equal to path 1's (rows16, or rows8 below AVX-512)."""
+    rng = random.Random()
+    k = rng.choice([256, 512, 768])
+    n = rng.choice([37, 64])
+    lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
+    x = torch.randn(40, k) * torch.rand(40, 1) * 4
+    full = _path(lin, x, 2)
+    assert _codes_bound_holds(full, x, w)
+    assert torch.equal(_path(lin, x, 1), full)
+    return lin, x, full, rng
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_avx512_rows16_matches_the_vector_path_within_its_bound(name, avx512_isa) -> None:
@@ -283,12 +309,7 @@ def test_avx512_rows16_matches_the_vector_path_within_its_bound(name, avx512_isa
     ext = quant.kernel()
     for rows in (1, 3, 4, 16, 17):
         x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
-        got = _path(lin, x, 1).double()
-        xa = _act_dequant(x).double()
-        ref = xa @ w.double().t()
-        err = (got - ref).abs()
-        bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
-        assert ((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all(), (name, rows)
+        assert _codes_bound_holds(_path(lin, x, 1), x, w), (name, rows)
         try:
             ext.set_rows16_formats(1 << min(FORMATS[name].ggml_type, 62))
             assert torch.equal(_path(lin, x, 0), _path(lin, x, 1))
@@ -308,18 +329,7 @@ def test_tile_paths_match_the_codes_product_and_each_others_bits(name, tile_isa)
     any offset; N not a multiple of 16 (a padded last weight group); and the engine's own calls
     (the default format mask at avx512) give the same bits."""
     assert quant.kernel().isa() == tile_isa
-    rng = random.Random()
-    k = rng.choice([256, 512, 768])
-    n = rng.choice([37, 64])
-    lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
-    x = torch.randn(40, k) * torch.rand(40, 1) * 4  # fp32 out: bf16 rounding would hide a last bit
-    full = _path(lin, x, 2)
-    xa = _act_dequant(x).double()
-    ref = xa @ w.double().t()
-    err = (full.double() - ref).abs()
-    bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
-    assert ((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all()
-    assert torch.equal(_path(lin, x, 1), full)
+    lin, x, full, rng = _tiles_case(name)
     for m in [1, 2, 3, 4, 5, 16, 17, rng.randrange(6, 40)]:
         off = rng.randrange(0, 40 - m + 1)
         for path in (0, 1, 2):
@@ -346,18 +356,7 @@ def test_ymm_paths_below_avx512_match_the_codes_product_and_the_avx512_tiles(nam
     _at_level(level, monkeypatch)
     ext = quant.kernel()
     assert ext.isa() == level
-    rng = random.Random()
-    k = rng.choice([256, 512, 768])
-    n = rng.choice([37, 64])
-    lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
-    x = torch.randn(40, k) * torch.rand(40, 1) * 4  # fp32 out: bf16 rounding would hide a last bit
-    full = _path(lin, x, 2)
-    xa = _act_dequant(x).double()
-    ref = xa @ w.double().t()
-    err = (full.double() - ref).abs()
-    bound = (k / 32 + 8) * 2.0**-23 * (xa.abs() @ w.double().abs().t())
-    assert ((err <= bound) | (err <= 1e-5 * ref.abs().max() + 1e-6)).all()
-    assert torch.equal(_path(lin, x, 1), full)
+    lin, x, full, rng = _tiles_case(name)
     for m in [1, 2, 3, 4, 5, 8, 9, 16, 17, rng.randrange(6, 40)]:
         off = rng.randrange(0, 40 - m + 1)
         for path in (0, 1, 2):
@@ -366,7 +365,7 @@ def test_ymm_paths_below_avx512_match_the_codes_product_and_the_avx512_tiles(nam
     xl = x[:17].bfloat16()
     low = _path(lin, xl, 2)  # bf16 out: each result rounded as c10 rounds the fp32 one
     acts = ext.quantize_act(xl)
-    y32 = torch.empty(17, n)
+    y32 = torch.empty(17, lin.out_features)
     ext.gemm(*acts, lin.qweight0, FORMATS[name].ggml_type, y32, 0, path=2)
     assert torch.equal(low, y32.bfloat16())
     assert torch.equal(_path(lin, xl[:3], 1), low[:3])  # rows8's stores round alike
