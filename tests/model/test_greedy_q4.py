@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from flatserve import device as dev
 from flatserve import kernels
 from flatserve.model import greedy_q4, greedy_q8, quant
 from flatserve.model.greedy_q4 import Q4GreedyHead, eligible, quantize_q4
@@ -192,7 +193,7 @@ def test_only_a_plain_q8_0_head_on_an_avx2_build_is_eligible(quant_isa: str, mon
     n, k = 64, 640
     head = _head(_weights(n, k))
     ext = quant.kernel()
-    assert eligible(head) == (ext is not None and ext.isa() in ("avxvnni", "avx2"))
+    assert eligible(head) == (ext is not None and ext.isa() in dev.AVX2_LEVELS)
     q6 = quant.QuantLinear(256, {"": (n, FORMATS["q6_k"])})
     assert not eligible(q6)
     head.bias = torch.nn.Parameter(torch.zeros(n))
@@ -210,7 +211,7 @@ def test_default_model_greedy_tokens_with_and_without_the_head(default_model_pat
               greedy_int8_head=False)
     runner = llm.engine.runner
     served = greedy_q8.for_model(runner.model, runner.cfg)  # at avx2, avxvnni with this copy for one row
-    if quant.kernel().isa() in ("avxvnni", "avx2"):
+    if quant.kernel().isa() in dev.AVX2_LEVELS:
         assert served.one_row is not None and served.one_row.times is not None  # on trial first
     head = Q4GreedyHead(runner.model.lm_head)  # the pass itself at this level
     same_tokens_through(llm, head, ["The capital of France is", "def fib(n):", "Once upon a time",

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from flatserve import device as dev
 from flatserve import kernels
 from flatserve.model import greedy_q4, greedy_q8, quant
 from flatserve.model.greedy_q8 import Q8GreedyHead
@@ -29,7 +30,7 @@ PASSES = {"int8": 0, "copy": 8}
 def _greedy(head: quant.QuantLinear, pass_: str, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
     """The head's pass: Q8GreedyHead, or at the AVX2 levels for the copy greedy_q4's head over
     the kernel's whole range (there the same copy and kernel, csrc/greedy_q4t.h in two ymm)."""
-    if pass_ == "copy" and quant.kernel().isa() in ("avxvnni", "avx2"):
+    if pass_ == "copy" and quant.kernel().isa() in dev.AVX2_LEVELS:
         monkeypatch.setattr(greedy_q4, "MAX_ROWS", 8)
         return greedy_q4.Q4GreedyHead(head)
     return Q8GreedyHead(head)
@@ -173,8 +174,8 @@ def test_served_on_the_avx512_and_avx2_builds(quant_isa: str) -> None:
     model.lm_head = _head(_weights(64, 640))
     got = _greedy_head(model, object(), "torch", None)
     isa = quant.kernel().isa() if quant.kernel() is not None else "none"
-    assert type(got).__name__ == ("Q8GreedyHead" if isa in ("avx512", "avxvnni", "avx2") else "NoneType")
-    if isa in ("avxvnni", "avx2"):
+    assert type(got).__name__ == ("Q8GreedyHead" if isa in ("avx512", *dev.AVX2_LEVELS) else "NoneType")
+    if isa in dev.AVX2_LEVELS:
         assert got.one_row is not None and got.one_row.times is not None  # the one-row trial
     assert _greedy_head(model, object(), "torch", False) is None  # --no-greedy-int8-head
 
@@ -189,7 +190,7 @@ def test_default_model_greedy_tokens_with_and_without_the_pass(default_model_pat
     llm = LLM(device="cpu", model=str(default_model_path), kv_cache_memory=256 * 2**20, max_model_len=1024,
               greedy_int8_head=False)
     served = greedy_q8.for_model(llm.engine.runner.model, llm.engine.runner.cfg)
-    assert (served is not None) == (quant.kernel().isa() in ("avx512", "avxvnni", "avx2"))
+    assert (served is not None) == (quant.kernel().isa() in ("avx512", *dev.AVX2_LEVELS))
     same_tokens_through(llm, Q8GreedyHead(llm.engine.runner.model.lm_head),
                         ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 5, 8,",
                          "Dear Sir,"])
