@@ -116,8 +116,10 @@ inline void rows_r(const int16_t* w16, int64_t K, const float* scT, const float*
 // 32][16], each block read from its stored bytes by DirectRow (its float products: the tiles'
 // bits); rows past N (r >= nn) repeat row nn - 1 (read, never stored). Once per 16 weight rows,
 // against every activation group of the call. Through unpack_block's int8 buffer and scalar
-// scale loops instead, a 16-row call of the q5_0 4,096 x 640 took 0.59-0.65 ms against 0.34-0.38
-// (the LM head 35-38 against 20-23; q4_k 640 x 2,048 0.23-0.27 against 0.26-0.30: a wash).
+// scale loops instead (ad6ee13), a 16-row call of the q5_0 4,096 x 640 took 0.59-0.65 ms against
+// 0.34-0.38 (the LM head 35-38 against 20-23; q4_k 640 x 2,048 0.23-0.27 against 0.26-0.30: a
+// wash): `FLATSERVE_CPU_ISA=avxvnni benchmarks/dev/cpu_ymm_paths.py`'s tiles column at both
+// commits, one sitting, 2-core Zen 5.
 template <int fmt>
 struct WGroup {
   std::vector<int16_t> w16;

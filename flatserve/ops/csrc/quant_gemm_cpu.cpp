@@ -289,11 +289,12 @@ enum Path : int64_t { AUTO = 0, ROWS = 1, TILES = 2 };
 // default, quant.ROWS16_FORMATS says why). All of them until it is called. Bit min(type, 62):
 // Q4_G's type is 100.
 int64_t g_rows16_mask = -1;
-// Activation rows a pass of the AVX2 kernels at 5+ rows: 8 or 4 (set_pass_rows: the A/B of
+// Activation rows a pass of the AVX2 vector path at 5+ rows: 8 or 4 (set_pass_rows: the A/B of
 // benchmarks/dev/cpu_quant_row1.py --rows 16 --pass-rows 4,8). On a Zen 4 at 16 rows, 8 took the
 // avx512 build's Q8_0 LM head 0.88-0.91x the time, q5_0 0.81-0.91x, q6_k 1.02-1.08x; in the AVX2
 // build (forced; 16 vector registers) the head 0.94-1.0x, q5_0 0.92-0.97x, q6_k 1.06-1.09x: no
-// clear gain there, and no AVX2-only CPU to check it on, so 4.
+// clear gain there, and no AVX2-only CPU to check it on, so 4. Since the avx2 and avxvnni builds
+// call rows8 and the tiles instead (ymm_rows), only the avx512 build's masked formats use it.
 #if defined(__AVX512VL__)
 int64_t g_pass_rows = 8;
 #else
@@ -318,8 +319,8 @@ inline int64_t tile_rows(int fmt) { return fmt == Q8_0 ? 4 : 6; }
 inline int64_t vnni_rows(int fmt) { return fmt == Q8_0 ? 6 : 8; }
 // Below AVX-512 (the avx2 and avxvnni builds), rows8 up to this many rows and the tiles in 256-bit
 // lanes above (csrc/quant_tiles_ymm.h), the same bits. rows8 against the tiles, ms a call, the
-// default GGUF's shapes (a scratch loop over `gemm`'s paths 1 and 2, bf16, 2-core Zen 5 forced to
-// avxvnni, 2026-11-28, one sitting): q5_0 4,096 x 640 at 6 / 8 / 16 rows 0.34 / 0.40 / 0.80
+// default GGUF's shapes (`FLATSERVE_CPU_ISA=avxvnni benchmarks/dev/cpu_ymm_paths.py`, 2-core Zen 5,
+// 2026-11-28, one sitting): q5_0 4,096 x 640 at 6 / 8 / 16 rows 0.34 / 0.40 / 0.80
 // against 0.35 / 0.36 / 0.38; q4_k 640 x 2,048 0.26 / 0.29 / 0.57 against 0.27 / 0.28 / 0.30; Q8_0
 // (no unpack in rows8) 640 x 1,024 0.08 / 0.12 at 8 / 12 rows against 0.09 / 0.10, the 262k x 640
 // LM head 17.5 / 22.5 at 6 / 8 against 21.3 / 21.8.
