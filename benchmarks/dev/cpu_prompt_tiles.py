@@ -3,8 +3,8 @@
 quant.ROW_TILE-row calls: QuantLinear.reference) against the tiles on the int16 codes
 (quantize_act, then gemm's path 2: csrc/quant_tiles_ymm.h below AVX-512, csrc/quant_vnni.h or
 the AMX tiles above). The shapes are the default GGUF's linears (Gemma 3 270M: q|k|v 1,024 x 640
-q5_0, o 640 x 1,024 q8_0, gate|up 4,096 x 640 q5_0, down 640 x 2,048 q4_k / q6_k) and the
-K formats' other blocks.
+q5_0, o 640 x 1,024 q4_k, gate|up 4,096 x 640 q5_0, down 640 x 2,048 q4_k / q6_k) and the
+other formats' blocks.
 
     FLATSERVE_CPU_ISA=avx2 .venv/bin/python benchmarks/dev/cpu_prompt_tiles.py [--rows 256,2048]
 
@@ -23,8 +23,8 @@ from flatserve.model import quant  # noqa: E402
 from flatserve.model.qformats import FORMATS  # noqa: E402
 from tests.model.test_qformats import random_blocks  # noqa: E402
 
-SHAPES = [("q5_0", 1024, 640), ("q8_0", 640, 1024), ("q5_0", 4096, 640), ("q4_k", 640, 2048),
-          ("q6_k", 640, 2048), ("q5_k", 640, 2048), ("q4_0", 1024, 640)]
+SHAPES = [("q5_0", 1024, 640), ("q4_k", 640, 1024), ("q5_0", 4096, 640), ("q4_k", 640, 2048),
+          ("q6_k", 640, 2048), ("q5_k", 640, 2048), ("q8_0", 640, 1024), ("q4_0", 1024, 640)]
 
 
 def main() -> None:

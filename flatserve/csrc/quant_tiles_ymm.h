@@ -44,6 +44,19 @@ constexpr int RMAX = 6;
 constexpr int RMAX = 4;
 #endif
 
+// With AVX-VNNI the offsets' FMA (Q4_K, Q5_K) follows the scale's on the same registers, as
+// fnmadd (the same rounding as fma(-m, s, acc), so the same bits). The two-pass form negated m
+// by a sign mask the compiler kept in a register, one too many for the 6-row dot loop: one dot
+// chain went through the stack every step. q4_k and q5_k at 16 and 512 rows: 0.85-0.89x the
+// time, the other formats within the noise (`FLATSERVE_CPU_ISA=avxvnni benchmarks/dev/
+// cpu_prompt_tiles.py --rows 16,512`, the two builds alternated 4 times, 2-core Zen 5,
+// 2026-11-28). At avx2 (4 rows, no spill) the fused form measured 1.01-1.12x: left out.
+#if defined(__AVXVNNI__)
+constexpr bool FUSED_MINS = true;
+#else
+constexpr bool FUSED_MINS = false;
+#endif
+
 // One step (J = 16 pairs: a block; 8: a half block) of R weight rows (wr[i]: its int16 codes)
 // against an activation group's pairs xb: S[i][h] lane t = the exact int32 dot of weight row i and
 // activation row 8 h + t.
@@ -92,15 +105,26 @@ inline void rows_r(const int16_t* w16, int64_t K, const float* scT, const float*
         dots<16, R>(wr, xb, S);
       }
       const float* sc = scT + (2 * b + h) * 16 + r0;
+      static_assert(!(halves && mins));
+      constexpr bool fused = mins && FUSED_MINS;
+      __m256 xs0 = xd0, xs1 = xd1;
+      if constexpr (fused) xs0 = _mm256_loadu_ps(a.s_at(g, b)), xs1 = _mm256_loadu_ps(a.s_at(g, b) + 8);
       for (int i = 0; i < R; ++i) {
         const __m256 s = _mm256_set1_ps(sc[i]);
         const __m256 a0 = _mm256_mul_ps(_mm256_cvtepi32_ps(S[i][0]), s);
         const __m256 a1 = _mm256_mul_ps(_mm256_cvtepi32_ps(S[i][1]), s);
-        _mm256_storeu_ps(acc[i], _mm256_fmadd_ps(a0, xd0, _mm256_loadu_ps(acc[i])));
-        _mm256_storeu_ps(acc[i] + 8, _mm256_fmadd_ps(a1, xd1, _mm256_loadu_ps(acc[i] + 8)));
+        __m256 c0 = _mm256_fmadd_ps(a0, xd0, _mm256_loadu_ps(acc[i]));
+        __m256 c1 = _mm256_fmadd_ps(a1, xd1, _mm256_loadu_ps(acc[i] + 8));
+        if constexpr (fused) {
+          const __m256 m = _mm256_set1_ps(mnT[16 * b + r0 + i]);
+          c0 = _mm256_fnmadd_ps(m, xs0, c0);
+          c1 = _mm256_fnmadd_ps(m, xs1, c1);
+        }
+        _mm256_storeu_ps(acc[i], c0);
+        _mm256_storeu_ps(acc[i] + 8, c1);
       }
     }
-    if constexpr (mins) {
+    if constexpr (mins && !FUSED_MINS) {
       const float* xs = a.s_at(g, b);
       const __m256 xs0 = _mm256_loadu_ps(xs), xs1 = _mm256_loadu_ps(xs + 8);
       for (int i = 0; i < R; ++i) {
