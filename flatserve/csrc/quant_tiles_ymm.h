@@ -79,6 +79,14 @@ __attribute__((always_inline)) inline void dots(const int16_t* const wr[R], cons
       S[i][1] = _mm256_add_epi32(S[i][1], _mm256_madd_epi16(x1, w));
 #endif
     }
+#if !defined(__AVXVNNI__)
+    // An empty asm that holds the 8 chains in registers at each step's end: without it GCC
+    // interleaved the unrolled steps and kept 3-4 chains on the stack (`objdump`: 19 stack
+    // accesses per 64 vpmaddwd, none with it); q4_k, q5_k, q6_k and q5_0 at 512 rows 0.95-0.98x
+    // the time, the rest level (`FLATSERVE_CPU_ISA=avx2 benchmarks/dev/cpu_prompt_tiles.py --rows
+    // 16,512`, builds alternated 4 times, 2-core Zen 5, 2026-11-28). The same integers.
+    for (int i = 0; i < R; ++i) __asm__ volatile("" : "+x"(S[i][0]), "+x"(S[i][1]));
+#endif
   }
 }
 
