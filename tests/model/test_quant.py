@@ -282,11 +282,13 @@ def _codes_bound_holds(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> b
 
 
 def _tiles_case(name: str) -> tuple[quant.QuantLinear, torch.Tensor, torch.Tensor, random.Random]:
-    """A random `name` linear (N = 37 or 64: a padded last weight group or none) and 40 fp32 rows
-    (fp32 out: bf16 rounding would hide a last bit) -> (lin, x, the tiles' result, rng), the result
-    checked within the codes' bound and equal to path 1's (rows16, or rows8 below AVX-512)."""
+    """A random `name` linear (N = 37 or 64: a padded last weight group or none; K of 8-33 blocks)
+    and 40 fp32 rows (fp32 out: bf16 rounding would hide a last bit) -> (lin, x, the tiles'
+    result, rng), the result checked within the codes' bound and equal to path 1's (rows16, or
+    rows8 below AVX-512)."""
     rng = random.Random()
-    k = rng.choice([256, 512, 768])
+    # 10 and 33 blocks of 32: the avxvnni tiles' K chunks of 8 (csrc/quant_tiles_ymm.h) end short
+    k = rng.choice([256, 512, 768] + ([320, 1056] if FORMATS[name].block == 32 else []))
     n = rng.choice([37, 64])
     lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
     x = torch.randn(40, k) * torch.rand(40, 1) * 4
