@@ -182,8 +182,9 @@ struct WGroup {
 // default GGUF's q|k|v (q5_0) took 0.83-0.84x the time, gate|up 0.89-0.90x, o (q4_k) 0.88-0.91x,
 // down (q4_k / q6_k) 0.95-0.97x, q8_0 and q4_0 0.93-0.98x (`FLATSERVE_CPU_ISA=avxvnni benchmarks/
 // dev/cpu_prompt_tiles.py --rows 16,512`, builds alternated twice, 2-core Zen 5, 2026-11-28; 16
-// blocks measured as 8). At avx2 (4 rows a pass, two instructions a product pair) the chunks took
-// 1.02-1.05x: there K stays one pass.
+// blocks measured as 8; at 16 rows, each chunk's weights widened just before its passes: no gain).
+// At avx2 (4 rows a pass, two instructions a product pair) the chunks took 1.02-1.05x: there K stays
+// one pass.
 #if defined(__AVXVNNI__)
 constexpr int64_t KCHUNK = 8;
 static_assert(RMAX == 6);
