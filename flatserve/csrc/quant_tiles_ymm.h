@@ -94,8 +94,9 @@ __attribute__((always_inline)) inline void dots(const int16_t* const wr[R], cons
 // against activation group g -> acc[i][t]: activation row 16 g + t, weight row r0 + i.
 template <int R, bool halves, bool mins>
 inline void rows_r(const int16_t* w16, int64_t K, const float* scT, const float* mnT, int r0, const ActPairs& a,
-                   int64_t g, int64_t b0, int64_t b1, float acc[][16], Prefetch& pf) {
-  for (int64_t b = b0; b < b1; ++b) {
+                   int64_t g, float acc[][16], Prefetch& pf) {
+  for (int i = 0; i < R; ++i) std::fill(acc[i], acc[i] + 16, 0.f);
+  for (int64_t b = 0; b < a.nb; ++b) {
     pf.step();
     const int16_t* xb = a.x_at(g, b);
     const float* xd = a.d_at(g, b);
@@ -175,24 +176,6 @@ struct WGroup {
   }
 };
 
-// Blocks a pass over K before the next 4-6 weight rows (AVX-VNNI only): a 16-row activation group
-// and the 16 widened weight rows are 1 KB a block each, so K = 2,048 (down) is 128 KB, past a 32-48
-// KB L1, and the three passes of 6 + 6 + 4 rows re-read both from L2. In chunks of 8 blocks (16 KB)
-// they stay in L1; each output's blocks are still summed in order (the same bits). At 512 rows the
-// default GGUF's q|k|v (q5_0) took 0.83-0.84x the time, gate|up 0.89-0.90x, o (q4_k) 0.88-0.91x,
-// down (q4_k / q6_k) 0.95-0.97x, q8_0 and q4_0 0.93-0.98x (`FLATSERVE_CPU_ISA=avxvnni benchmarks/
-// dev/cpu_prompt_tiles.py --rows 16,512`, builds alternated twice, 2-core Zen 5, 2026-11-28; 16
-// blocks measured as 8; at 16 rows, each chunk's weights widened just before its passes: no gain).
-// At avx2 (4 rows a pass, two instructions a product pair) the chunks took 1.02-1.05x: there K stays
-// one pass.
-#if defined(__AVXVNNI__)
-constexpr int64_t KCHUNK = 8;
-static_assert(RMAX == 6);
-#else
-constexpr int64_t KCHUNK = 0;  // no chunks
-static_assert(RMAX == 4);
-#endif
-
 template <int fmt, typename T, typename Store>
 void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo,
             Store store) {
@@ -200,42 +183,22 @@ void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t r
   const int64_t K = 32 * a.nb;
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
     WGroup<fmt> wg(K);
-    alignas(32) float acc[KCHUNK ? 16 : RMAX][16];
+    alignas(32) float acc[RMAX][16];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
       wg.load(w, n0, nn, row_bytes, K);
       Prefetch pf;  // the next 16 rows' bytes, spread over this group's steps (quant_blocks.h)
       if (c + 1 < c1)
         pf.spread(w + (n0 + 16) * row_bytes, std::min<int64_t>(16, N - n0 - 16) * row_bytes, (RMAX == 4 ? 4 : 3) * a.groups * a.nb);
-      for (int64_t g = 0; g < a.groups; ++g) {
-        if constexpr (KCHUNK == 0) {  // K in one pass a step of rows, stored after it
-          for (int r0 = 0; r0 < nn;) {
-            const int rr = RMAX == 4 || r0 == 12 ? 4 : 6;  // 4 x 4
-            for (int i = 0; i < rr; ++i) std::fill(acc[i], acc[i] + 16, 0.f);
-            if (rr == 6) rows_r<6, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, 0, a.nb, acc, pf);
-            else rows_r<4, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, 0, a.nb, acc, pf);
-            for (int64_t t = 0; t < 16 && 16 * g + t < M; ++t)
-              for (int i = 0; i < rr && r0 + i < nn; ++i) store(out + (16 * g + t) * ldo + n0 + r0 + i, acc[i][t]);
-            r0 += rr;
-          }
-        } else {  // K in chunks, the 6 + 6 + 4 rows over a chunk before the next (one call site
-          // each: three made GCC's code 1.05x slower, a lambda 1.6x)
-          for (auto& row : acc) std::fill(row, row + 16, 0.f);
-          for (int64_t b0 = 0; b0 < a.nb; b0 += KCHUNK) {
-            const int64_t b1 = std::min<int64_t>(a.nb, b0 + KCHUNK);
-            for (int r0 = 0; r0 < nn;) {
-              const int rr = r0 == 12 ? 4 : 6;
-              if (rr == 6)
-                rows_r<6, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, b0, b1, acc + r0, pf);
-              else
-                rows_r<4, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, b0, b1, acc + r0, pf);
-              r0 += rr;
-            }
-          }
+      for (int64_t g = 0; g < a.groups; ++g)
+        for (int r0 = 0; r0 < nn;) {
+          const int rr = RMAX == 4 || r0 == 12 ? 4 : 6;  // 16 rows: 6 + 6 + 4, or 4 x 4
+          if (rr == 6) rows_r<6, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, acc, pf);
+          else rows_r<4, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, acc, pf);
           for (int64_t t = 0; t < 16 && 16 * g + t < M; ++t)
-            for (int i = 0; i < nn; ++i) store(out + (16 * g + t) * ldo + n0 + i, acc[i][t]);
+            for (int i = 0; i < rr && r0 + i < nn; ++i) store(out + (16 * g + t) * ldo + n0 + r0 + i, acc[i][t]);
+          r0 += rr;
         }
-      }
     }
   });
 }

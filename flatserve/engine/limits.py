@@ -21,8 +21,14 @@ CPU_SEQS, CPU_TOKENS = 64, 2048  # measured right on CPUs (docs/performance-cpu.
 # 2,048 and 1.25 / 1.27 at 512, out tok/s 54.8 / 49.0 vs 45.5 / 52.6 (two alternated rounds,
 # within their spread; 2026-11-27); the default GGUF, same set-up: 0.89 vs 1.00-1.03 GiB, 47.3 /
 # 50.2 vs 52.6 / 49.6 tok/s, TTFT p50 5.1-5.3 vs 6.8-7.3 s. llama.cpp's prompt micro-batch is 512.
-# (A GGUF's quantized linears there take int16 codes on prompt rows too since 2026-11-28
-# (model/quant.py, PROMPT_INT16_LEVELS): no widened weight; 512 not re-measured for them.)
+# A GGUF's quantized linears there take int16 codes on prompt rows too since 2026-11-28
+# (model/quant.py, PROMPT_INT16_LEVELS): no widened weight. Re-measured for them on a 2-core Zen 5,
+# the default GGUF served at 16 streams, flatserve alone, two alternated runs each (2026-11-28):
+# kernels at avxvnni 512 / 1,024 / 2,048 -> 182.0, 181.3 / 193.5, 187.9 / 190.8, 194.2 out tok/s
+# (peak RSS 0.86 / 0.88 / 0.90-0.92 GiB against llama-server's 0.83), then 1,024 against
+# llama-server in a later run 1.92x / 1.95x where 512 read 1.96x / 1.93x; at avx2 512 / 1,024 ->
+# 161.1, 170.4 / 166.9, 166.2. No gain that outlasts the VM's drift: 512 stays.
+# (docs/performance-cpu.md, AVX2 section.)
 CPU_TOKENS_EMULATED_BF16 = 512
 # AVX512-BF16 without AMX (AMD Zen 4): 512 as well. There the served default GGUF keeps its greedy
 # head's 4-bit copy (model/greedy_q8.py, 94 MB), and with 2,048-token chunks' transients the
