@@ -287,7 +287,7 @@ def _tiles_case(name: str) -> tuple[quant.QuantLinear, torch.Tensor, torch.Tenso
     result, rng), the result checked within the codes' bound and equal to path 1's (rows16, or
     rows8 below AVX-512)."""
     rng = random.Random()
-    # 10 and 33 blocks of 32 too (for the 32-value formats): K loops that step 8 blocks end short
+    # the 32-value formats at 10 and 33 blocks too: K not a multiple of a K format's 8-block super-block
     k = rng.choice([256, 512, 768] + ([320, 1056] if FORMATS[name].block == 32 else []))
     n = rng.choice([37, 64])
     lin, w = _lin({"": (n, name)}, k, seed=rng.randrange(1 << 20))
