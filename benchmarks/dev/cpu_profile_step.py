@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 [--by-kernel [--prefill]] [--prompt-len N] [--attention-backend B]
         [--ngram K] [--cpu-gemm amx|onednn|torch]
     .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 --generate [--eager]
+    .venv/bin/python benchmarks/dev/cpu_profile_step.py 16 --spread 150
 
 Default model, bf16; prompts of 10..1,500 random tokens (seeded), decoding after their prefill.
 The torch profiler sees aten ops only, not our C++ extensions; --by-kernel instead times 20
@@ -14,6 +15,8 @@ steps with wall clocks around the packed linears (LM head apart) and the attenti
 apart (random-token prompts draw more greedy-head candidates than that text).
 Decode steps run all layers in one C++ call (model/cpu_stack.py), timed whole; `--eager` runs
 the Python layers instead, so that each kernel is timed (enforce_eager).
+`--spread S`: S decode steps timed one by one, and in each the C++ stack and the greedy head:
+mean, median, p90 and max of each (a few slow steps move the mean, which throughput pays).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ def main() -> None:
     ap.add_argument("--no-greedy-head", action="store_true", help="greedy rows read the LM head itself")
     ap.add_argument("--eager", action="store_true",
                     help="enforce_eager: decode steps run the Python layers (each kernel timed)")
+    ap.add_argument("--spread", type=int, default=0, help="S decode steps timed one by one")
     ap.add_argument("--generate", action="store_true",
                     help="by kernel over offline_cpu.py's own run, prompt and decode steps apart")
     a = ap.parse_args()
@@ -60,7 +64,9 @@ def main() -> None:
     rng = random.Random(0)
     for _ in range(a.n):
         eng.add_request([rng.randrange(10, 5000) for _ in range(a.prompt_len or rng.randint(10, 1500))],
-                        SamplingParams(max_tokens=200, ignore_eos=True, temperature=0))
+                        SamplingParams(max_tokens=200 + a.spread, ignore_eos=True, temperature=0))
+    if a.spread:
+        return _spread(eng, a.spread)
     if spent is not None and a.prefill:
         return _split_prefill(eng, spent)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
@@ -90,6 +96,49 @@ def main() -> None:
         for _ in range(5):
             eng.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+
+
+def _spread(eng, n: int) -> None:
+    """n decode steps after the prompts and 5 more, each timed, with the stack and the head."""
+    import statistics
+
+    from flatserve.model.cpu_stack import CpuDecoderStack
+    from flatserve.model.greedy_head import Int8GreedyHead
+    from flatserve.model.greedy_q8 import Q8GreedyHead
+
+    parts: dict[str, list[float]] = {"C++ stack": [], "greedy head": []}
+
+    def timed(cls: type, attr: str, sink: list[float]) -> None:
+        inner = getattr(cls, attr)
+
+        def fn(self, *args, **kw):
+            t = time.perf_counter()
+            out = inner(self, *args, **kw)
+            sink.append(time.perf_counter() - t)
+            return out
+
+        setattr(cls, attr, fn)
+
+    timed(CpuDecoderStack, "__call__", parts["C++ stack"])
+    timed(Q8GreedyHead, "forward", parts["greedy head"])
+    timed(Int8GreedyHead, "forward", parts["greedy head"])
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    steps = []
+    for v in parts.values():
+        v.clear()
+    for _ in range(n):
+        t = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t)
+    print(f"{n} decode steps, ms: mean / median / p90 / max")
+    for name, v in {"step": steps, **parts}.items():
+        if v:
+            v = sorted(x * 1e3 for x in v)
+            print(f"  {name:12s} {statistics.mean(v):6.2f} / {v[len(v) // 2]:6.2f} / {v[int(0.9 * len(v))]:6.2f}"
+                  f" / {v[-1]:6.2f}")
 
 
 def _split_prefill(eng, spent: dict[str, float]) -> None:
@@ -193,6 +242,9 @@ def _time_kernels() -> dict[str, float]:
     from flatserve.model.greedy_head import Int8GreedyHead
 
     wrap(Int8GreedyHead, lambda m: "LM head, greedy (7-bit copy)")
+    from flatserve.model.greedy_q8 import Q8GreedyHead
+
+    wrap(Q8GreedyHead, lambda m: "LM head, greedy (Q8_0 codes)")
     # Decode steps run every layer in one C++ call (model/cpu_stack.py), which the wrappers
     # above do not see inside: it is timed whole (--eager splits it by kernel instead).
     from flatserve.model.cpu_stack import CpuDecoderStack

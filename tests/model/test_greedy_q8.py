@@ -5,8 +5,8 @@ zmm at the VNNI levels, through greedy_q4's head in two ymm at the AVX2 ones), e
 its kernel's whole row range (`PASSES`, AVX2_MIN_ROWS).
 A token is `row_argmax(head(x))` of the quantized head itself, bit for bit (ties to the first
 index included), on fresh random heads and inputs with outlier channels, exact ties, ties one
-code step apart and rows crowded within each bound; the per-row sums are the blocks' own (the
-copy's error: test_greedy_q4.py); non-finite rows fall back to the head."""
+code step apart, rows crowded within each bound and an outlier channel's block; the per-row sums
+are the blocks' own (the copy's error: test_greedy_q4.py); non-finite rows fall back to the head."""
 from __future__ import annotations
 
 import random
@@ -118,6 +118,57 @@ def test_rows_crowded_within_the_bound(pass_: str, pass_isa: str, monkeypatch) -
         assert torch.equal(greedy(x.to(dtype)), kernels.row_argmax(head(x.to(dtype))))
     # row 0 is 25 x the winning row: it and its 24 copies are all within the pass's bound
     assert greedy.fallbacks == 0 and greedy.last_counts[0] >= 25
+
+
+def test_an_outlier_channel_widens_only_its_own_block(pass_isa: str) -> None:
+    """One token with one channel at ~100x the others (the default model's final norm puts 332
+    in one channel of some tokens, block maxima ~15 elsewhere) that the head barely reads: that
+    block's int8 error is ~100x the others'. Taken as every block's error (greedy_q8.h before the
+    outlier blocks) it kept 56-85% of the rows for that token; taken for its own block only, the
+    token keeps few rows, the others are untouched, and every token is the head's argmax."""
+    _ext()
+    n, k = 8 * random.randint(300, 900) + random.randint(0, 7), 640
+    w = _weights(n, k)
+    x = torch.randn(16, k) * 3
+    t, c = random.randrange(16), random.randrange(k)
+    x[t, c] = random.choice([-330.0, 330.0])
+    w[:, c] *= 0.02
+    head = _head(w)
+    greedy = Q8GreedyHead(head)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(greedy(x.to(dtype)), kernels.row_argmax(head(x.to(dtype)))), dtype
+    assert greedy.fallbacks == 0
+    assert greedy.last_counts[t] < n // 20, (t, greedy.last_counts)
+
+
+@pytest.mark.parametrize("rows", [5, 16])
+def test_a_crowd_misordered_inside_an_outlier_block(rows: int, pass_isa: str) -> None:
+    """As below, with every token's x at 330 in one channel the head does not read (its weights
+    0 there): that block's int8 error is ~100x the others', and the 64 crowd rows differ from
+    each other most in that block's other channels, so the estimates misorder them by more than
+    the other blocks' error covers. Only the outlier block's own share of the bound (greedy_q8.h,
+    X in `rows`) keeps the true maximum among the rescored rows: without X this failed 23 of 24
+    cases (4 runs, 2026-11-29), with the wide first check at e instead of e_wide 2 of 12."""
+    _ext()
+    n, k = 8 * 300, 640
+    c = random.randrange(k)
+    w = torch.randn(n, k) * 0.001
+    win = torch.randn(k) * 0.1
+    crowd = random.sample(range(n), 64)
+    w[crowd] = win + torch.randn(64, k) * 0.002
+    w[torch.tensor(crowd)[:, None], torch.arange(c // 32 * 32, c // 32 * 32 + 32)] += torch.randn(64, 32) * 0.3
+    w[:, c] = 0.0
+    head = _head(w)
+    greedy = Q8GreedyHead(head)
+    wq = dequantize(quantize(w, Q8_0), Q8_0, k)
+    x = torch.randn(rows, k)
+    u = wq[crowd[0]] / wq[crowd[0]].dot(wq[crowd[0]])
+    x = x - (x @ wq[crowd[0]])[:, None] * u + u
+    x[:, c] = torch.tensor([random.choice([-330.0, 330.0]) for _ in range(rows)])
+    ref = kernels.row_argmax(head(x))
+    assert set(ref.tolist()) <= set(crowd)
+    assert torch.equal(greedy(x), ref)
+    assert greedy.fallbacks == 0
 
 
 @pytest.mark.parametrize("pass_,rows", [("int8", 5), ("int8", 16), ("copy", 8)])
