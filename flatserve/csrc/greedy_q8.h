@@ -163,7 +163,6 @@ inline float abs_sum(const uint8_t* blk) {
   return static_cast<float>(_mm_cvtsi128_si32(h) + _mm_extract_epi32(h, 2));
 }
 
-
 // The pass's vector operations for L lanes. 8 lanes (ymm) for up to 8 tokens: Zen 4 issues two
 // 256-bit vpdpbusd a cycle against one 512-bit, but the rest of a block's work does not halve:
 // the default head at 4-8 rows took 8.7-8.9 ms against 16 lanes' 10.3 (cpu_greedy_head.py --gguf).

@@ -51,9 +51,9 @@ FEW_ROWS = 4  # up to this many rows: the copy's pass; above, the int8 pass
 # 22.8 / 34.2 ms, the pass 7.1 / 7.1 / 7.4 / 7.6 / 14.3 / 14.1 (8 lanes to 8 rows, then 16 as
 # two ymm; ~90 rows a token rescored since 2026-11-29's outlier blocks, csrc/greedy_q8.h). The
 # avxvnni build (vpdpbusd on ymm, x as 8-bit codes as at avx512: ~40 rows a token rescored), the
-# same machine forced to avxvnni, `... --rows
-# 1,2,3,4,5,8,9,16 --reps 10 --int8-from 1`: head + argmax 3.6 / 4.0 / 5.4 / 6.6 / 13.2 / 16.7 /
-# 20.4 / 30.9 ms, the pass 4.7 / 4.7 / 4.7 / 4.7 / 4.8 / 4.9 / 8.7 / 8.9.
+# same machine forced to avxvnni, `... --rows 1,2,3,4,5,8,9,16 --reps 10 --int8-from 1`: head +
+# argmax 3.6 / 4.0 / 5.4 / 6.6 / 13.2 / 16.7 / 20.4 / 30.9 ms, the pass 4.7 / 4.7 / 4.7 / 4.7 /
+# 4.8 / 4.9 / 8.7 / 8.9.
 AVX2_MIN_ROWS = {"avx2": 5, "avxvnni": 3}  # by the build's level (dev.AVX2_LEVELS)
 Q8_0 = FORMATS["q8_0"]
 
