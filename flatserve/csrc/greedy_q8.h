@@ -86,7 +86,8 @@ struct XPack8 {
 };
 
 // The outlier blocks of err [M][nb] (each token's block errors): up to kOutBlocks blocks, those
-// furthest over kOutRatio x a token's median; then each token's E (over the rest) in e_base.
+// furthest over kOutRatio x a token's median; then each token's E (over the rest) in e_base and
+// its excess in each of them, x.ex.
 inline void split_outliers(const std::vector<double>& err, int64_t M, int64_t nb, XPack8& x,
                            double* e_base) {
   std::vector<double> score(nb, 0.0), tmp(nb);
@@ -108,12 +109,8 @@ inline void split_outliers(const std::vector<double>& err, int64_t M, int64_t nb
     for (int64_t b = 0; b < nb; ++b)
       if (std::find(x.out_b, x.out_b + x.nout, b) == x.out_b + x.nout) e = std::max(e, err[t * nb + b]);
     e_base[t] = e;
-    double sum = 0.0;
-    for (int o = 0; o < x.nout; ++o) {
+    for (int o = 0; o < x.nout; ++o)
       x.ex[o][t] = static_cast<float>(std::max(0.0, err[t * nb + x.out_b[o]] - e) * (1 + 0x1p-20));
-      sum += x.ex[o][t];
-    }
-    x.e_wide[t] = static_cast<float>(sum * (1 + 0x1p-20));  // e added in pack_x8
   }
 }
 
@@ -151,7 +148,9 @@ inline void pack_x8(const int16_t* q, const float* d, int64_t M, int64_t K, int6
   for (int64_t t = 0; t < M; ++t) {  // the slack takes every block's error: a term's size, not its bound
     const double slack = (x.nb + 16) * 0x1p-22 * (xmaxs[t] + emax[t]);
     x.e[t] = static_cast<float>((e_base[t] + slack) * (1 + 0x1p-20)) + 1e-30f;
-    x.e_wide[t] = x.nout ? static_cast<float>((x.e[t] + static_cast<double>(x.e_wide[t])) * (1 + 0x1p-20)) : x.e[t];
+    double ex = 0.0;  // the sum of float terms in double: exact to 2^-50, under the 2^-20
+    for (int o = 0; o < x.nout; ++o) ex += x.ex[o][t];
+    x.e_wide[t] = x.nout ? static_cast<float>((x.e[t] + ex) * (1 + 0x1p-20)) : x.e[t];
   }
 }
 
