@@ -26,31 +26,78 @@
 #include <vector>
 
 #include "cpu_math.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include "seq_list.h"
 
 namespace {
 
 #if defined(__AVX512F__)
 constexpr int64_t W = 16;  // fp32 lanes of one vector register
+#elif defined(__AVX2__)
+constexpr int64_t W = 8;
 #else
-constexpr int64_t W = 8;   // AVX2 (and the portable build's two SSE registers)
+constexpr int64_t W = 4;   // the portable build: one SSE / NEON register (vectors of 8 were lowered
+                           // to scalar code there: 380 ms for 16 prompts of 256 against ~12 at avx2)
 #endif
 typedef float vw __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
 constexpr int64_t kKeys = 16;  // keys per softmax step, aligned to absolute positions
+constexpr int64_t NV = kKeys / W;  // vectors of a row's 16 scores
 constexpr int64_t kRows = 64;  // query rows per work item: positions x the g heads of a KV head
                                // (16 rows spent ~1/3 of the time widening K/V per item)
-constexpr int64_t kR = 4;      // rows per register tile (scores: 4 rows x 2 keys accumulators)
+// Rows per register tile: 8 independent FMA chains either way (4 rows x 2 vectors of 8 keys, or
+// 8 rows x 1 of 16). With 4 rows of 16 lanes the score loop waited on the FMA latency: 47% of
+// the kernel's samples at avx512 (perf, 16 prompts of 256, Gemma-3-270M's heads, Zen 5).
+constexpr int64_t kR = W == 16 ? 8 : 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline vw ldw(const float* p) { vw v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void stw(float* p, vw v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline float sum16(const float* p) {
-  float s[kKeys];
-  std::memcpy(s, p, sizeof(s));
-  for (int64_t n = kKeys / 2; n >= 1; n /= 2)
+// Lane sums in a fixed tree (the same bits for every row) and lane maxima.
+inline float hsum(vw v) {
+  float s[W];
+  std::memcpy(s, &v, sizeof(s));
+  for (int64_t n = W / 2; n >= 1; n /= 2)
     for (int64_t i = 0; i < n; ++i) s[i] += s[i + n];
   return s[0];
+}
+inline float hmax(vw v) {  // once per row and group: in registers (through memory it was ~15%)
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX2__)
+  const __m256 y = reinterpret_cast<__m256>(v);
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+#else
+  float m = v[0];
+  for (int64_t i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+#endif
+}
+
+// flatserve::exp_poly on W lanes (the same polynomial and clamp), x <= 88.
+inline vw exp_w(vw x) {
+  x = x < -87.f ? vw{} - 87.f : x;
+  const vw t = x * 1.4426950408889634f;
+  const vi ti = __builtin_convertvector(t, vi);  // toward zero; floor below
+  const vw tf = __builtin_convertvector(ti, vw);
+  const vi fi = t < tf ? ti - 1 : ti;
+  const vw f = t - __builtin_convertvector(fi, vw);
+  vw p = vw{} + 2.1871262307292775e-4f;
+  p = p * f + 1.2382415543543816e-3f;
+  p = p * f + 9.686186289582578e-3f;
+  p = p * f + 5.5478912463380964e-2f;
+  p = p * f + 2.40231096761393e-1f;
+  p = p * f + 6.931468377007519e-1f;
+  p = p * f + 1.000000006158204f;
+  const vi bits = (fi + 127) << 23;
+  vw s;
+  std::memcpy(&s, &bits, sizeof(s));
+  return p * s;
 }
 
 // n cache values -> fp32.
@@ -76,17 +123,16 @@ struct Item {
 
 // Per-thread scratch of one work item.
 struct Scratch {
-  std::vector<float> q, kf, krow, vf, s, p, acc, m, l;  // kf: K transposed, [d][kKeys]
+  std::vector<float> q, kf, krow, vf, s, p, acc, m, l;  // krow: K [kKeys][d]; kf: transposed
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), kf(kKeys * d), krow(d), vf(kKeys * d), s(rows * kKeys), p(rows * kKeys),
-        acc(rows * d), m(rows), l(rows) {}
+      : q(rows * d), kf(kKeys * d), krow(kKeys * d), vf(kKeys * d), s(rows * kKeys), p(rows * kKeys),
+        acc(rows * d), m(rows), l(rows * W) {}
 };
 
 // s[r * kKeys + j] = q_r . k_j for rows r0..r0 + kR - 1 and the group's 16 keys, from kt [d][16]
 // (the keys' values at one head dim side by side): a row's 16 scores build up as kKeys / W
 // vectors, one FMA chain each over the head, with no horizontal sums.
 inline void scores(const float* q, const float* kt, float* s, int64_t r0, int64_t d) {
-  constexpr int64_t NV = kKeys / W;
   vw a[kR][NV] = {};
   for (int64_t c = 0; c < d; ++c) {
     vw k[NV];
@@ -126,33 +172,74 @@ inline void pv(const float* p, const float* vf, float* acc, int64_t r0, int64_t 
 }
 
 // One row's online-softmax step over a group at key position k0: p[16] and the rescale of its
-// accumulator. Returns false (nothing changed) where the row sees no key of the group.
-inline bool softmax_step(const float* sc, float* p, float* acc, float& m, float& l, int64_t qpos,
+// accumulator, on NV vectors of W keys; lv: the row's sum of weights in W lanes. Returns false (nothing changed) where the row sees no
+// key of the group. (Scalar, this step was ~13% of the kernel at avxvnni and ~20% at avx512.)
+inline bool softmax_step(const float* sc, float* p, float* acc, float& m, float* lv, int64_t qpos,
                          int64_t k0, const Geo& g) {
-  float x[kKeys];
-  bool any = false;
-  for (int64_t j = 0; j < kKeys; ++j) {
-    const int64_t kp = k0 + j;
-    const bool vis = kp <= qpos && (g.window <= 0 || kp > qpos - g.window);
-    float v = sc[j] * g.scale;
-    if (g.softcap > 0.f) v = std::tanh(v / g.softcap) * g.softcap;
-    x[j] = vis ? v : kNegInf;
-    any |= vis;
-  }
-  if (!any) {
+  const int64_t vhi = std::min(qpos, k0 + kKeys - 1);  // the visible keys: vlo..vhi
+  const int64_t vlo = g.window > 0 ? std::max(k0, qpos - g.window + 1) : k0;
+  if (vlo > vhi) {
     std::memset(p, 0, kKeys * sizeof(float));
     return false;
   }
-  float mb = kNegInf;
-  for (int64_t j = 0; j < kKeys; ++j) mb = std::max(mb, x[j]);
-  const float mn = std::max(m, mb);
+  vw x[NV];
+  for (int64_t v = 0; v < NV; ++v) x[v] = ldw(sc + v * W) * g.scale;
+  if (g.softcap > 0.f)
+    for (int64_t v = 0; v < NV; ++v)
+      for (int64_t j = 0; j < W; ++j) x[v][j] = std::tanh(x[v][j] / g.softcap) * g.softcap;
+  if (vlo > k0 || vhi < k0 + kKeys - 1) {  // a group on the diagonal or the window's edge
+    vi pos;
+    for (int64_t j = 0; j < W; ++j) pos[j] = static_cast<int32_t>(j);
+    for (int64_t v = 0; v < NV; ++v) {
+      const vi kp = pos + static_cast<int32_t>(k0 - vlo + v * W);  // key position - vlo
+      x[v] = (kp < 0) | (kp > static_cast<int32_t>(vhi - vlo)) ? vw{} + kNegInf : x[v];
+    }
+  }
+  vw mx = x[0];
+  for (int64_t v = 1; v < NV; ++v) mx = mx > x[v] ? mx : x[v];
+  const float mn = std::max(m, hmax(mx));
   const float alpha = m == kNegInf ? 0.f : flatserve::exp_poly(m - mn);
-  for (int64_t j = 0; j < kKeys; ++j) p[j] = x[j] == kNegInf ? 0.f : flatserve::exp_poly(x[j] - mn);
-  l = l * alpha + sum16(p);
+  vw sum = ldw(lv) * alpha;  // the row's sum of weights, lane by lane (added up at the end)
+  for (int64_t v = 0; v < NV; ++v) {
+    const vw e = x[v] == kNegInf ? vw{} : exp_w(x[v] - mn);
+    stw(p + v * W, e);
+    sum += e;
+  }
+  stw(lv, sum);
   if (alpha != 1.f)
-    for (int64_t c = 0; c < g.d; ++c) acc[c] *= alpha;
+    for (int64_t c = 0; c < g.d; c += W) stw(acc + c, ldw(acc + c) * alpha);
   m = mn;
   return true;
+}
+
+// K of a group, widened row by row into kr [16][d], then transposed into kt [d][16] (8 x 8
+// blocks in registers where AVX is there: the scalar scatter was ~7% of the kernel).
+inline void transpose_keys(const float* kr, float* kt, int64_t d) {
+#if defined(__AVX2__)
+  for (int64_t j0 = 0; j0 < kKeys; j0 += 8)
+    for (int64_t c0 = 0; c0 < d; c0 += 8) {
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(kr + (j0 + i) * d + c0);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      // r[i]: dims c0 + i | c0 + i + 4 of keys j0..j0 + 3; r[i + 4] the same of keys j0 + 4..j0 + 7
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(kt + (c0 + i) * kKeys + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(kt + (c0 + i + 4) * kKeys + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+      }
+    }
+#else
+  for (int64_t j = 0; j < kKeys; ++j)
+    for (int64_t c = 0; c < d; ++c) kt[c * kKeys + j] = kr[j * d + c];
+#endif
 }
 
 template <typename T>
@@ -169,35 +256,36 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int32_
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + tiles * kR * d, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + tiles * kR, kNegInf);
-  std::fill(sc.l.begin(), sc.l.begin() + tiles * kR, 0.f);
+  std::fill(sc.l.begin(), sc.l.begin() + tiles * kR * W, 0.f);
   const int64_t lo = g.window > 0 ? std::max<int64_t>(0, q_first - g.window + 1) : 0;
   const int64_t rs = g.hkv * d;  // elements between consecutive cache rows
   for (int64_t k0 = lo / kKeys * kKeys; k0 <= q_last; k0 += kKeys) {
     for (int64_t j = 0; j < kKeys; ++j) {
       const int64_t kp = k0 + j;
       float* vd = sc.vf.data() + j * d;
+      float* kd = sc.krow.data() + j * d;
       if (kp >= L) {  // past the sequence: zero, never visible (the slot may hold anything)
-        for (int64_t c = 0; c < d; ++c) sc.kf[c * kKeys + j] = 0.f;
+        std::memset(kd, 0, d * 4);
         std::memset(vd, 0, d * 4);
         continue;
       }
       const int64_t blk = bt[it.seq * g.max_blocks + kp / g.bs];
       const int64_t off = (blk * g.bs + kp % g.bs) * rs + it.kvh * d;
-      widen(kc + off, sc.krow.data(), d);
-      for (int64_t c = 0; c < d; ++c) sc.kf[c * kKeys + j] = sc.krow[c];
+      widen(kc + off, kd, d);
       widen(vc + off, vd, d);
     }
+    transpose_keys(sc.krow.data(), sc.kf.data(), d);
     for (int64_t t = 0; t < tiles; ++t) scores(sc.q.data(), sc.kf.data(), sc.s.data(), t * kR, d);
     for (int64_t r = 0; r < tiles * kR; ++r) {
       const int64_t rr = std::min(r, rows - 1);
       softmax_step(sc.s.data() + r * kKeys, sc.p.data() + r * kKeys, sc.acc.data() + r * d,
-                   sc.m[r], sc.l[r], q_first + rr / g.g, k0, g);
+                   sc.m[r], sc.l.data() + r * W, q_first + rr / g.g, k0, g);
     }
     for (int64_t t = 0; t < tiles; ++t) pv(sc.p.data(), sc.vf.data(), sc.acc.data(), t * kR, d);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = r / g.g, h = it.kvh * g.g + r % g.g;
-    float l = sc.l[r];
+    float l = hsum(ldw(sc.l.data() + r * W));
     if (sinks) l += flatserve::exp_poly(sinks[h] - sc.m[r]);
     const float inv = 1.f / l;
     T* o = out + ((cu[it.seq] + it.t0 + t) * g.hq + h) * d;
