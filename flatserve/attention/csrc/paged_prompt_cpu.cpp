@@ -14,7 +14,8 @@
 // groups it cannot see, with one code path for every row: a row's scores are dot products over
 // the head in a fixed order, its softmax is online per group, and the rows a tile pads with are
 // computed and dropped. Keys a row cannot see inside a group get weight 0 (an exact no-op).
-// Each group's K (transposed) and V are widened to fp32 once per work item and shared by its rows.
+// Each group's K (transposed) and V are widened to fp32 once per work item and shared by its rows;
+// at avx512 a bf16 cache's products run on bf16 pairs instead (vdpbf16ps, kDot below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -121,12 +123,18 @@ struct Item {
   int64_t seq, kvh, t0, nt;  // rows t0..t0 + nt - 1 of the sequence's new rows
 };
 
-// Per-thread scratch of one work item.
+// Per-thread scratch of one work item. The bf16 products' path (kDot) reads q, K and V as stored:
+// qb [rows][d], kb / vb [kKeys][d] bf16; kt2 [d / 2][kKeys] and vp [kKeys / 2][d] pairs, pb
+// [rows][kKeys / 2] the weights' pairs.
 struct Scratch {
   std::vector<float> q, kf, krow, vf, s, p, acc, m, l;  // krow: K [kKeys][d]; kf: transposed
-  Scratch(int64_t rows, int64_t d)
-      : q(rows * d), kf(kKeys * d), krow(kKeys * d), vf(kKeys * d), s(rows * kKeys), p(rows * kKeys),
-        acc(rows * d), m(rows), l(rows * W) {}
+  std::vector<uint16_t> qb, kb, vb;
+  std::vector<uint32_t> kt2, vp, pb;
+  Scratch(int64_t rows, int64_t d, bool dot)
+      : q(dot ? 0 : rows * d), kf(dot ? 0 : kKeys * d), krow(dot ? 0 : kKeys * d),
+        vf(dot ? 0 : kKeys * d), s(rows * kKeys), p(rows * kKeys), acc(rows * d), m(rows),
+        l(rows * W), qb(dot ? rows * d : 0), kb(dot ? kKeys * d : 0), vb(dot ? kKeys * d : 0),
+        kt2(dot ? kKeys * d / 2 : 0), vp(dot ? kKeys * d / 2 : 0), pb(dot ? rows * kKeys / 2 : 0) {}
 };
 
 // s[r * kKeys + j] = q_r . k_j for rows r0..r0 + kR - 1 and the group's 16 keys, from kt [d][16]
@@ -242,6 +250,109 @@ inline void transpose_keys(const float* kr, float* kt, int64_t d) {
 #endif
 }
 
+#if defined(__AVX512BF16__)
+// bf16 caches at avx512: q.k and p.v on vdpbf16ps, 32 products an instruction (twice the fp32
+// FMAs'); each product is exact in fp32, each pair's sum rounded once (round to nearest even,
+// denormal inputs read as 0), and p is rounded to bf16 (2^-9 relative) for p.v. A row's bits
+// still depend only on its own inputs.
+constexpr bool kDot = true;
+
+inline __m512bh bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// s for rows r0..r0 + kR - 1: q2 [rows][d2] and kt2 [d2][kKeys] as bf16 pairs along the head.
+inline void scores_dot(const uint32_t* q2, const uint32_t* kt2, float* s, int64_t r0, int64_t d2) {
+  __m512 a[kR];
+  for (int64_t r = 0; r < kR; ++r) a[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d2; ++c) {
+    const __m512bh k = bh(_mm512_loadu_si512(kt2 + c * kKeys));
+    for (int64_t r = 0; r < kR; ++r)
+      a[r] = _mm512_dpbf16_ps(a[r], bh(_mm512_set1_epi32(static_cast<int>(q2[(r0 + r) * d2 + c]))), k);
+  }
+  for (int64_t r = 0; r < kR; ++r) _mm512_storeu_ps(s + (r0 + r) * kKeys, a[r]);
+}
+
+// acc_r += sum_j p[r, j] v_j for rows r0..r0 + kR - 1, head dims c..c + 16 NC - 1: pb [rows][8]
+// and vp [8][d] as bf16 pairs along the keys.
+template <int64_t NC>
+inline void pv_dot_chunks(const uint32_t* pb, const uint32_t* vp, float* acc, int64_t r0, int64_t d,
+                          int64_t c) {
+  __m512 a[kR][NC];
+  for (int64_t r = 0; r < kR; ++r)
+    for (int64_t u = 0; u < NC; ++u) a[r][u] = _mm512_loadu_ps(acc + (r0 + r) * d + c + u * 16);
+  for (int64_t i = 0; i < kKeys / 2; ++i) {
+    __m512bh v[NC];
+    for (int64_t u = 0; u < NC; ++u) v[u] = bh(_mm512_loadu_si512(vp + i * d + c + u * 16));
+    for (int64_t r = 0; r < kR; ++r) {
+      const __m512bh pr = bh(_mm512_set1_epi32(static_cast<int>(pb[(r0 + r) * (kKeys / 2) + i])));
+      for (int64_t u = 0; u < NC; ++u) a[r][u] = _mm512_dpbf16_ps(a[r][u], pr, v[u]);
+    }
+  }
+  for (int64_t r = 0; r < kR; ++r)
+    for (int64_t u = 0; u < NC; ++u) _mm512_storeu_ps(acc + (r0 + r) * d + c + u * 16, a[r][u]);
+}
+
+inline void pv_dot(const uint32_t* pb, const uint32_t* vp, float* acc, int64_t r0, int64_t d) {
+  int64_t c = 0;
+  for (; c + 32 <= d; c += 32) pv_dot_chunks<2>(pb, vp, acc, r0, d, c);
+  if (c < d) pv_dot_chunks<1>(pb, vp, acc, r0, d, c);
+}
+
+// vp [8][d] = (v[2i][c], v[2i + 1][c]) from vb [16][d] bf16 (d % 16 == 0).
+inline void pair_values(const uint16_t* vb, uint32_t* vp, int64_t d) {
+  alignas(64) static const uint16_t kIdx[64] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
+      12, 44, 13, 45, 14, 46, 15, 47, 16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54,
+      23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kIdx), hi = _mm512_load_si512(kIdx + 32);
+  for (int64_t i = 0; i < kKeys / 2; ++i)
+    for (int64_t c = 0; c < d; c += 32) {
+      const __mmask32 m = c + 32 <= d ? ~0u : 0xFFFFu;  // a last 16 dims
+      const __m512i a = _mm512_maskz_loadu_epi16(m, vb + 2 * i * d + c);
+      const __m512i b = _mm512_maskz_loadu_epi16(m, vb + (2 * i + 1) * d + c);
+      _mm512_storeu_si512(vp + i * d + c, _mm512_permutex2var_epi16(a, lo, b));
+      if (c + 32 <= d) _mm512_storeu_si512(vp + i * d + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+}
+
+// One group's products on the bf16 pairs: kb / vb hold the group's 16 keys as stored.
+inline void group_dot(Scratch& sc, const int64_t k0, const int64_t tiles, const int64_t rows,
+                      const int64_t q_first, const Geo& g) {
+  const int64_t d = g.d;
+  transpose_keys(reinterpret_cast<const float*>(sc.kb.data()), reinterpret_cast<float*>(sc.kt2.data()),
+                 d / 2);
+  pair_values(sc.vb.data(), sc.vp.data(), d);
+  const uint32_t* q2 = reinterpret_cast<const uint32_t*>(sc.qb.data());
+  for (int64_t t = 0; t < tiles; ++t) scores_dot(q2, sc.kt2.data(), sc.s.data(), t * kR, d / 2);
+  for (int64_t r = 0; r < tiles * kR; ++r) {
+    const int64_t rr = std::min(r, rows - 1);
+    softmax_step(sc.s.data() + r * kKeys, sc.p.data() + r * kKeys, sc.acc.data() + r * d, sc.m[r],
+                 sc.l.data() + r * W, q_first + rr / g.g, k0, g);
+    const __m256bh pr = _mm512_cvtneps_pbh(_mm512_loadu_ps(sc.p.data() + r * kKeys));
+    std::memcpy(sc.pb.data() + r * (kKeys / 2), &pr, sizeof(pr));
+  }
+  for (int64_t t = 0; t < tiles; ++t) pv_dot(sc.pb.data(), sc.vp.data(), sc.acc.data(), t * kR, d);
+}
+#else
+constexpr bool kDot = false;
+#endif
+
+// One group's products in fp32: krow / vf hold the group's 16 keys widened.
+inline void group_fp32(Scratch& sc, const int64_t k0, const int64_t tiles, const int64_t rows,
+                       const int64_t q_first, const Geo& g) {
+  const int64_t d = g.d;
+  transpose_keys(sc.krow.data(), sc.kf.data(), d);
+  for (int64_t t = 0; t < tiles; ++t) scores(sc.q.data(), sc.kf.data(), sc.s.data(), t * kR, d);
+  for (int64_t r = 0; r < tiles * kR; ++r) {
+    const int64_t rr = std::min(r, rows - 1);
+    softmax_step(sc.s.data() + r * kKeys, sc.p.data() + r * kKeys, sc.acc.data() + r * d, sc.m[r],
+                 sc.l.data() + r * W, q_first + rr / g.g, k0, g);
+  }
+  for (int64_t t = 0; t < tiles; ++t) pv(sc.p.data(), sc.vf.data(), sc.acc.data(), t * kR, d);
+}
+
+template <typename T>
+constexpr bool dot_path() { return kDot && std::is_same<T, at::BFloat16>::value; }
+
 template <typename T>
 void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int32_t* bt,
               const int32_t* lens, const int32_t* cu, const float* sinks, T* out, const Geo& g,
@@ -252,7 +363,9 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int32_
   // Rows in (position, head) order; padding rows repeat the last one and are dropped.
   for (int64_t r = 0; r < tiles * kR; ++r) {
     const int64_t rr = std::min(r, rows - 1), t = rr / g.g, h = it.kvh * g.g + rr % g.g;
-    widen(q + ((cu[it.seq] + it.t0 + t) * g.hq + h) * d, sc.q.data() + r * d, d);
+    const T* src = q + ((cu[it.seq] + it.t0 + t) * g.hq + h) * d;
+    if constexpr (dot_path<T>()) std::memcpy(sc.qb.data() + r * d, src, d * 2);
+    else widen(src, sc.q.data() + r * d, d);
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + tiles * kR * d, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + tiles * kR, kNegInf);
@@ -262,26 +375,28 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int32_
   for (int64_t k0 = lo / kKeys * kKeys; k0 <= q_last; k0 += kKeys) {
     for (int64_t j = 0; j < kKeys; ++j) {
       const int64_t kp = k0 + j;
-      float* vd = sc.vf.data() + j * d;
-      float* kd = sc.krow.data() + j * d;
-      if (kp >= L) {  // past the sequence: zero, never visible (the slot may hold anything)
-        std::memset(kd, 0, d * 4);
-        std::memset(vd, 0, d * 4);
-        continue;
+      // past the sequence: zero, never visible (the slot may hold anything)
+      const int64_t off = kp >= L ? -1 : (bt[it.seq * g.max_blocks + kp / g.bs] * g.bs + kp % g.bs) * rs +
+                                             it.kvh * d;
+      if constexpr (dot_path<T>()) {
+        uint16_t* kd = sc.kb.data() + j * d;
+        uint16_t* vd = sc.vb.data() + j * d;
+        if (off < 0) std::memset(kd, 0, d * 2), std::memset(vd, 0, d * 2);
+        else std::memcpy(kd, kc + off, d * 2), std::memcpy(vd, vc + off, d * 2);
+      } else {
+        float* kd = sc.krow.data() + j * d;
+        float* vd = sc.vf.data() + j * d;
+        if (off < 0) std::memset(kd, 0, d * 4), std::memset(vd, 0, d * 4);
+        else widen(kc + off, kd, d), widen(vc + off, vd, d);
       }
-      const int64_t blk = bt[it.seq * g.max_blocks + kp / g.bs];
-      const int64_t off = (blk * g.bs + kp % g.bs) * rs + it.kvh * d;
-      widen(kc + off, kd, d);
-      widen(vc + off, vd, d);
     }
-    transpose_keys(sc.krow.data(), sc.kf.data(), d);
-    for (int64_t t = 0; t < tiles; ++t) scores(sc.q.data(), sc.kf.data(), sc.s.data(), t * kR, d);
-    for (int64_t r = 0; r < tiles * kR; ++r) {
-      const int64_t rr = std::min(r, rows - 1);
-      softmax_step(sc.s.data() + r * kKeys, sc.p.data() + r * kKeys, sc.acc.data() + r * d,
-                   sc.m[r], sc.l.data() + r * W, q_first + rr / g.g, k0, g);
+#if defined(__AVX512BF16__)
+    if constexpr (dot_path<T>()) {
+      group_dot(sc, k0, tiles, rows, q_first, g);
+      continue;
     }
-    for (int64_t t = 0; t < tiles; ++t) pv(sc.p.data(), sc.vf.data(), sc.acc.data(), t * kR, d);
+#endif
+    group_fp32(sc, k0, tiles, rows, q_first, g);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = r / g.g, h = it.kvh * g.g + r % g.g;
@@ -313,7 +428,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   T* op = out.data_ptr<T>();
   const int64_t rows = (tq * g.g + kR - 1) / kR * kR;
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t a, int64_t b) {
-    Scratch sc(rows, g.d);
+    Scratch sc(rows, g.d, dot_path<T>());
     for (int64_t i = a; i < b; ++i) run_item<T>(items[i], qp, kp, vp, btp, lp, cu, sinks, op, g, sc);
   });
 }
