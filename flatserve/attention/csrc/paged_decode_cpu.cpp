@@ -141,8 +141,25 @@ struct Dims {
 // Raw scores of NK consecutive cache rows (row stride rs) for G query heads (fp32 q rows qf,
 // stride d): sc[j * bs + i] = q_j . k_i. The NK x G accumulators stay in registers while each
 // 16-lane slice of a K row is loaded and converted once for all G heads.
+// On AVX2 not inlined: inlined into attend, GCC 12 kept 6 of its 8 ymm accumulators on the stack
+// (a store and a reload around each FMA; perf put ~2/3 of the kernel's samples in this loop), and
+// a call per key costs less (`cpu_decode_ab.py --rev 1a4d25e --layers 18 --cold`, avxvnni,
+// 2-core Zen 5, 2026-11-29: 12.5 -> 8.9 ms a pass full, 7.9 -> 5.9 windowed; --rows 4 37.4 ->
+// 27.6). More than 4 heads go in passes of 4 (each head's sums the same).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define FLATSERVE_SCORES_INLINE __attribute__((noinline))
+#else
+#define FLATSERVE_SCORES_INLINE inline
+#endif
 template <typename T, int G, int NK>
-inline void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc, int64_t bs) {
+FLATSERVE_SCORES_INLINE void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc, int64_t bs) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+  if constexpr (G > 4) {  // 16 registers hold 4 heads' accumulators: more heads in two passes
+    scores<T, 4, NK>(qf, k, rs, d, sc, bs);
+    scores<T, G - 4, NK>(qf + 4 * d, k, rs, d, sc + 4 * bs, bs);
+    return;
+  }
+#endif
   vf s[NK][G] = {};
   for (int64_t c = 0; c < d; c += kLanes) {
     vf kv[NK];
