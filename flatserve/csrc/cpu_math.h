@@ -16,18 +16,22 @@ namespace flatserve {
 // i = floor, f in [0, 1); 2^f by a degree-6 least-squares polynomial (relative error 6e-9 in
 // exact arithmetic, ~1e-7 in fp32). x is clamped to [-87, 88]: exp(-87) = 1.6e-38 is still a
 // normal float, and the kernels only meet larger x as softmax weights <= 1 or activations.
-inline float exp_poly(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float t = x * 1.4426950408889634f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 2.1871262307292775e-4f;
-  p = p * f + 1.2382415543543816e-3f;
+// 2^f for f in [0, 1): the polynomial, on a float or on a vector of them (paged_prompt_cpu.cpp).
+template <typename V>
+inline V exp2_frac(V f) {
+  V p = f * 2.1871262307292775e-4f + 1.2382415543543816e-3f;
   p = p * f + 9.686186289582578e-3f;
   p = p * f + 5.5478912463380964e-2f;
   p = p * f + 2.40231096761393e-1f;
   p = p * f + 6.931468377007519e-1f;
-  p = p * f + 1.000000006158204f;
+  return p * f + 1.000000006158204f;
+}
+
+inline float exp_poly(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t);
+  const float p = exp2_frac(t - fi);
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
   float s;
   std::memcpy(&s, &bits, sizeof(s));

@@ -152,7 +152,8 @@ struct Dims {
 #define FLATSERVE_SCORES_INLINE inline
 #endif
 template <typename T, int G, int NK>
-FLATSERVE_SCORES_INLINE void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc, int64_t bs) {
+FLATSERVE_SCORES_INLINE void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc,
+                                    int64_t bs) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
   if constexpr (G > 4) {  // 16 registers hold 4 heads' accumulators: more heads in two passes
     scores<T, 4, NK>(qf, k, rs, d, sc, bs);

@@ -88,14 +88,7 @@ inline vw exp_w(vw x) {
   const vi ti = __builtin_convertvector(t, vi);  // toward zero; floor below
   const vw tf = __builtin_convertvector(ti, vw);
   const vi fi = t < tf ? ti - 1 : ti;
-  const vw f = t - __builtin_convertvector(fi, vw);
-  vw p = vw{} + 2.1871262307292775e-4f;
-  p = p * f + 1.2382415543543816e-3f;
-  p = p * f + 9.686186289582578e-3f;
-  p = p * f + 5.5478912463380964e-2f;
-  p = p * f + 2.40231096761393e-1f;
-  p = p * f + 6.931468377007519e-1f;
-  p = p * f + 1.000000006158204f;
+  const vw p = flatserve::exp2_frac(t - __builtin_convertvector(fi, vw));
   const vi bits = (fi + 127) << 23;
   vw s;
   std::memcpy(&s, &bits, sizeof(s));
@@ -180,8 +173,9 @@ inline void pv(const float* p, const float* vf, float* acc, int64_t r0, int64_t 
 }
 
 // One row's online-softmax step over a group at key position k0: p[16] and the rescale of its
-// accumulator, on NV vectors of W keys; lv: the row's sum of weights in W lanes. Returns false (nothing changed) where the row sees no
-// key of the group. (Scalar, this step was ~13% of the kernel at avxvnni and ~20% at avx512.)
+// accumulator, on NV vectors of W keys; lv: the row's sum of weights in W lanes. Returns false
+// (nothing changed) where the row sees no key of the group. (Scalar, this step was ~13% of the
+// kernel at avxvnni and ~20% at avx512.)
 inline bool softmax_step(const float* sc, float* p, float* acc, float& m, float* lv, int64_t qpos,
                          int64_t k0, const Geo& g) {
   const int64_t vhi = std::min(qpos, k0 + kKeys - 1);  // the visible keys: vlo..vhi
