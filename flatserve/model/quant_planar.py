@@ -29,7 +29,7 @@ Triton interpreter on a CPU and compiled on CUDA):
   of a power of 2 chosen per nibble position, so one FADD gives q - 8 exactly (no scaling of
   x, no zero-point sum), the scales loaded in the codes' register layout
   (integer-dot and x-in-registers versions were slower on an H100: docs/performance-gpu.md);
-- from 3 rows to 128 (256 for weights of >= 2^25 values; `use_gemm`): `_gemm_kernel`, a GEMM
+- from 3 rows to 128 (256 for weights of >= 2^25 values but on an H200; `use_gemm`): `_gemm_kernel`, a GEMM
   tiled over rows and columns (16-256 x 64-128), the weights dequantized in registers (the
   reference's bits: d * (q - 8) in fp32, rounded to x's dtype) into tensor-core products, no
   dense copy; (`_dot_kernel`, the tensor-core GEMV it replaced at 3-32 rows, stays for the
@@ -413,7 +413,7 @@ def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
     assert p.shape[1] == fmt.row_bytes(K) and out.shape == (M, N)
     codes, scales, nblk = _views(p, fmt)
     code = FORMATS[fmt.name]
-    if GEMM and tiles is None and use_gemm(M, N, K):
+    if GEMM and tiles is None and use_gemm(M, N, K, x.device):
         return gemm(x, p, fmt, out)
     if M > GEMV_ROWS:
         dense = torch.empty(N, K, dtype=x.dtype, device=x.device)
@@ -450,15 +450,25 @@ def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
                                                         SPLITS=splits, BLOCK=1024)
 
 
-def use_gemm(m: int, n: int, k: int) -> bool:
+_BIG_ROWS: dict[torch.device, int] = {}
+
+
+def use_gemm(m: int, n: int, k: int, device: torch.device | None = None) -> bool:
     """Whether qgemm takes _gemm_kernel for m rows of an n x k weight: from 3 rows (below, the FMA
-    GEMV) to 128, and to 256 for weights of >= 2^25 values. Its time per call against the paths
-    before it (benchmarks/dev/quant_gemm_gpu.py --planar / --gemm, q4_0, Llama-3-8B's linears, H100,
-    2026-11-27; raw docs/benchmarks/raw/gpu_h100_q4_0_fused_gemm/): 4-32 rows o / gate_up / down
-    0.75-0.91x the tensor-core GEMV's, qkv 1.06-1.12x; 64-128 rows 0.48-0.92x dequantize +
-    cuBLAS's; 256 rows gate_up and down 0.83-0.92x, qkv and o 1.09-1.12x; 512 rows 1.4-2.0x (the
-    best tile: x re-read from L2 for every 64-128 weight rows, the dequantization not hidden)."""
-    return FMA_ROWS < m <= (256 if n * k >= 1 << 25 else 128)
+    GEMV) to 128, and to 256 for weights of >= 2^25 values but on an H200. Its time per call
+    against the paths before it (benchmarks/dev/quant_gemm_gpu.py --planar / --gemm, q4_0,
+    Llama-3-8B's linears, H100, 2026-11-27; raw docs/benchmarks/raw/gpu_h100_q4_0_fused_gemm/):
+    4-32 rows o / gate_up / down 0.75-0.91x the tensor-core GEMV's, qkv 1.06-1.12x; 64-128 rows
+    0.48-0.92x dequantize + cuBLAS's; 256 rows gate_up and down 0.83-0.92x, qkv and o 1.09-1.12x;
+    512 rows 1.4-2.0x (the best tile: x re-read from L2 for every 64-128 weight rows, the
+    dequantization not hidden). An H200's HBM3e makes the dense copy cheaper: there 128 rows for
+    every weight took the offline run (offline_gpu.py --shape llama-3-8b --load-format dummy
+    --quantization q4_0, 2026-11-29) from 6,321 / 6,364 to 6,536 tok/s and its 256-row decode step
+    from 18.3 to 17.6 ms."""
+    if device is not None and device.type == "cuda" and device not in _BIG_ROWS:
+        _BIG_ROWS[device] = 128 if "H200" in torch.cuda.get_device_name(device) else 256
+    big = _BIG_ROWS.get(device, 256) if n * k >= 1 << 25 else 128
+    return FMA_ROWS < m <= big
 
 
 def gemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
