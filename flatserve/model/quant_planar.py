@@ -29,11 +29,11 @@ Triton interpreter on a CPU and compiled on CUDA):
   of a power of 2 chosen per nibble position, so one FADD gives q - 8 exactly (no scaling of
   x, no zero-point sum), the scales loaded in the codes' register layout
   (integer-dot and x-in-registers versions were slower on an H100: docs/performance-gpu.md);
-- from 3 rows to 128 (256 for weights of >= 2^25 values but on an H200; `use_gemm`): `_gemm_kernel`, a GEMM
-  tiled over rows and columns (16-256 x 64-128), the weights dequantized in registers (the
-  reference's bits: d * (q - 8) in fp32, rounded to x's dtype) into tensor-core products, no
-  dense copy; (`_dot_kernel`, the tensor-core GEMV it replaced at 3-32 rows, stays for the
-  benchmark's A/B, GEMM = False);
+- from 3 rows to 128 (256 for weights of >= 2^25 values but on an H200; `use_gemm`):
+  `_gemm_kernel`, a GEMM tiled over rows and columns (16-256 x 64-128), the weights dequantized in
+  registers (the reference's bits: d * (q - 8) in fp32, rounded to x's dtype) into tensor-core
+  products, no dense copy; (`_dot_kernel`, the tensor-core GEMV it replaced at 3-32 rows, stays
+  for the benchmark's A/B, GEMM = False);
 - above: `_dequant_kernel` to x's dtype, then cuBLAS.
 The K axis is split across programs and the partial sums added in a fixed order (in the FMA
 kernel by the last program of each column tile, _finish_split; else quant_triton's
@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flatserve import device as dev
 from flatserve.model import cuda_gemv
 from flatserve.model.qformats import Format
 
@@ -450,9 +451,6 @@ def qgemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
                                                         SPLITS=splits, BLOCK=1024)
 
 
-_BIG_ROWS: dict[torch.device, int] = {}
-
-
 def use_gemm(m: int, n: int, k: int, device: torch.device | None = None) -> bool:
     """Whether qgemm takes _gemm_kernel for m rows of an n x k weight: from 3 rows (below, the FMA
     GEMV) to 128, and to 256 for weights of >= 2^25 values but on an H200. Its time per call
@@ -465,10 +463,8 @@ def use_gemm(m: int, n: int, k: int, device: torch.device | None = None) -> bool
     every weight took the offline run (offline_gpu.py --shape llama-3-8b --load-format dummy
     --quantization q4_0, 2026-11-29) from 6,321 / 6,364 to 6,536 tok/s and its 256-row decode step
     from 18.3 to 17.6 ms."""
-    if device is not None and device.type == "cuda" and device not in _BIG_ROWS:
-        _BIG_ROWS[device] = 128 if "H200" in torch.cuda.get_device_name(device) else 256
-    big = _BIG_ROWS.get(device, 256) if n * k >= 1 << 25 else 128
-    return FMA_ROWS < m <= big
+    big = 128 if device is not None and dev.cuda_hbm3e(device) else 256
+    return FMA_ROWS < m <= (big if n * k >= 1 << 25 else 128)
 
 
 def gemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,

@@ -211,3 +211,24 @@ def test_quantlinear_on_cuda_repacks_q4_0_and_q8_0_at_load() -> None:
     ids = torch.tensor([7, 0, 39], device="cuda")
     got = quant.QuantEmbedding(table)(ids).cpu()
     assert torch.equal(got, dequantize(raw, FORMATS["q4_0"], 512)[ids.cpu()])
+
+
+@pytest.mark.parametrize("name,big", [("NVIDIA H200", 128), ("NVIDIA H100 80GB HBM3", 256)])
+def test_fused_gemm_rows_by_gpu(name: str, big: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused GEMM's row limit for large weights: 128 on an H200, 256 elsewhere (measured on
+    both, docs/performance-gpu.md); small weights 128 everywhere, CPU tensors the default rule.
+    The device's name is faked: the rule is host code."""
+    from flatserve import device as dev
+    from flatserve.model import quant_planar
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+    dev._hbm3e.cache_clear()
+    try:
+        gpu = torch.device("cuda", 0)
+        big_w, small_w = (28672, 4096), (4096, 4096)  # >= 2^25 values, < 2^25
+        for m in (2, 3, 128, 129, 256, 257):
+            assert quant_planar.use_gemm(m, *big_w, gpu) == (2 < m <= big)
+            assert quant_planar.use_gemm(m, *small_w, gpu) == (2 < m <= 128)
+            assert quant_planar.use_gemm(m, *big_w, torch.device("cpu")) == (2 < m <= 256)
+    finally:
+        dev._hbm3e.cache_clear()
