@@ -463,8 +463,10 @@ def use_gemm(m: int, n: int, k: int, device: torch.device | None = None) -> bool
     every weight took the offline run (offline_gpu.py --shape llama-3-8b --load-format dummy
     --quantization q4_0, 2026-11-29) from 6,321 / 6,364 to 6,536 tok/s and its 256-row decode step
     from 18.3 to 17.6 ms."""
-    big = 128 if device is not None and dev.cuda_hbm3e(device) else 256
-    return FMA_ROWS < m <= (big if n * k >= 1 << 25 else 128)
+    if m <= 128:
+        return m > FMA_ROWS
+    # 129-256 rows of a large weight only: the device is asked only then (qgemm runs per linear)
+    return m <= 256 and n * k >= 1 << 25 and not (device is not None and dev.cuda_hbm3e(device))
 
 
 def gemm(x: torch.Tensor, p: torch.Tensor, fmt: Format, out: torch.Tensor,
