@@ -19,7 +19,11 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 need="gguf fastapi uvicorn prometheus-client pydantic httpx pytest hypothesis openai psutil xgrammar jsonschema pytest-xdist ninja"
 if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --find-links .whl $need 2>&1 | grep -v -i warning | tail -3
+  # All at once, else one by one: pip refuses the whole list when one package is neither
+  # installed nor in .whl/, which left uvicorn and fastapi out on an H200 image (2026-11-29).
+  $PY -m pip install -q --no-index --find-links .whl $need >/dev/null 2>&1 ||
+    for p in $need; do $PY -m pip install -q --no-index --find-links .whl "$p" >/dev/null 2>&1 ||
+      echo "gpu_tests: $p is neither installed nor in .whl/"; done
   # The transformers the CPU suite runs (pyproject's floor): the parity tests compare against it,
   # and older ones lack what the GGUF and GPT-OSS paths read. Its own needs are on the image.
   ls .whl/transformers-*.whl >/dev/null 2>&1 &&
