@@ -66,6 +66,42 @@ inline float hsum8(__m256 v) {
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
+
+// An 8 x 8 fp32 block transposed in registers: r[i] lane j becomes r[j] lane i.
+inline void transpose8x8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  // r[i]: columns i | i + 4 of rows 0-3; r[i + 4] the same of rows 4-7
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+
+// 16 floats -> bf16 bits as c10::BFloat16(float) rounds them: to nearest even, NaN -> 0x7FC0.
+inline __m256i bf16x16_rne(__m256 lo, __m256 hi) {
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF), nan = _mm256_set1_epi32(0x7FC0);
+  __m256i r[2];
+  const __m256 v[2] = {lo, hi};
+  for (int h = 0; h < 2; ++h) {
+    const __m256i u = _mm256_castps_si256(v[h]);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    r[h] = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, half)), 16);
+    r[h] = _mm256_blendv_epi8(r[h], nan, _mm256_castps_si256(_mm256_cmp_ps(v[h], v[h], _CMP_UNORD_Q)));
+  }
+  // packus interleaves the 128-bit halves: lo[0-3] hi[0-3] lo[4-7] hi[4-7] -> back in order
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+}
 #endif
 
 #if defined(__AVX512F__)

@@ -19,16 +19,19 @@
 //   acc = fma(-w_min, x_sum, acc)                        K formats' offsets, after each block
 #pragma once
 
+#include "cpu_math.h"
 #include "quant_blocks.h"
 #include "quant_rows.h"
 
 #if QG_AVX2
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace flatserve::qymm {
@@ -176,6 +179,40 @@ struct WGroup {
   }
 };
 
+// A group's results, tile[r][t] (weight row n0 + r, activation row m0 + t), stored as out's rows:
+// transposed in 8 x 8 register blocks, then a full row of 16 bf16 or fp32 values in one or two
+// vector stores (c10's rounding: the same bits as `store`). The 256 scalar conversions and
+// strided 2-byte stores took 9-11% of a 640-wide call (q5_0 4,096 x 640 and 1,024 x 640 at 512
+// rows, FLATSERVE_CPU_ISA=avxvnni, 2-core Zen 5, 2026-11-29).
+template <typename T, typename Store>
+inline void store_tile(float tile[16][16], int64_t mt, int64_t nn, T* out, int64_t ldo, Store store) {
+  alignas(32) float rows[16][16];  // [t][r]
+  for (int r0 = 0; r0 < 16; r0 += 8)
+    for (int t0 = 0; t0 < 16; t0 += 8) {
+      __m256 v[8];
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_load_ps(tile[r0 + i] + t0);
+      flatserve::transpose8x8(v);
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(rows[t0 + i] + r0, v[i]);
+    }
+  for (int64_t t = 0; t < mt; ++t) {
+    T* o = out + t * ldo;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (nn == 16) {
+        const __m256i h = flatserve::bf16x16_rne(_mm256_load_ps(rows[t]), _mm256_load_ps(rows[t] + 8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), h);
+        continue;
+      }
+    } else if constexpr (std::is_same_v<T, float>) {
+      if (nn == 16) {
+        _mm256_storeu_ps(o, _mm256_load_ps(rows[t]));
+        _mm256_storeu_ps(o + 8, _mm256_load_ps(rows[t] + 8));
+        continue;
+      }
+    }
+    for (int64_t r = 0; r < nn; ++r) store(o + r, rows[t][r]);
+  }
+}
+
 template <int fmt, typename T, typename Store>
 void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, T* out, int64_t ldo,
             Store store) {
@@ -183,22 +220,22 @@ void gemm_t(const ActPairs& a, int64_t M, const uint8_t* w, int64_t N, int64_t r
   const int64_t K = 32 * a.nb;
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t c0, int64_t c1) {
     WGroup<fmt> wg(K);
-    alignas(32) float acc[RMAX][16];
+    alignas(32) float tile[16][16];  // rows_r's results, [weight row][activation row]
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = 16 * c, nn = std::min<int64_t>(16, N - n0);
       wg.load(w, n0, nn, row_bytes, K);
       Prefetch pf;  // the next 16 rows' bytes, spread over this group's steps (quant_blocks.h)
       if (c + 1 < c1)
         pf.spread(w + (n0 + 16) * row_bytes, std::min<int64_t>(16, N - n0 - 16) * row_bytes, (RMAX == 4 ? 4 : 3) * a.groups * a.nb);
-      for (int64_t g = 0; g < a.groups; ++g)
+      for (int64_t g = 0; g < a.groups; ++g) {
         for (int r0 = 0; r0 < nn;) {
           const int rr = RMAX == 4 || r0 == 12 ? 4 : 6;  // 16 rows: 6 + 6 + 4, or 4 x 4
-          if (rr == 6) rows_r<6, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, acc, pf);
-          else rows_r<4, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, acc, pf);
-          for (int64_t t = 0; t < 16 && 16 * g + t < M; ++t)
-            for (int i = 0; i < rr && r0 + i < nn; ++i) store(out + (16 * g + t) * ldo + n0 + r0 + i, acc[i][t]);
+          if (rr == 6) rows_r<6, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, tile + r0, pf);
+          else rows_r<4, halves, mins>(wg.w16.data(), K, wg.scT.data(), wg.mnT.data(), r0, a, g, tile + r0, pf);
           r0 += rr;
         }
+        store_tile(tile, std::min<int64_t>(16, M - 16 * g), nn, out + 16 * g * ldo + n0, ldo, store);
+      }
     }
   });
 }

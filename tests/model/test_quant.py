@@ -377,3 +377,38 @@ def test_ymm_paths_below_avx512_match_the_codes_product_and_the_avx512_tiles(nam
         assert torch.equal(_path(lin, x, 2), full)
         assert torch.equal(_path(lin, xl, 2), low)
 
+
+@needs_kernel
+@pytest.mark.parametrize("level", ["amx", "avx512", "avxvnni", "avx2", "portable"])
+def test_bf16_out_rounds_ties_to_even(level, monkeypatch) -> None:
+    """Every path's bf16 stores (the tiles' vector ones, rows8's and rows16's scalar ones) round
+    as c10 does, ties to even, where random inputs almost never meet a tie: Q8_0 weights of scale
+    1 and activations whose block scale is 1 (amax 32,639: the codes are the values), so every
+    result is its integer dot, and the dots between 2^8 and 2^12 are ties for bf16's 8 bits a
+    third of the time. Fresh random codes per run; 4 to 40 rows cover each path."""
+    from tests.conftest import _at_level
+
+    _at_level(level, monkeypatch)
+    ext = quant.kernel()
+    rng = random.Random()
+    n, k = 48, 64
+    codes = torch.tensor([[rng.randint(-9, 9) for _ in range(k)] for _ in range(n)], dtype=torch.int8)
+    codes[:, ::32] = 0  # the weights meet the 32,639 that sets each block's scale with 0
+    blocks = torch.cat([torch.tensor([1.0], dtype=torch.float16).view(torch.uint8).repeat(n, k // 32, 1),
+                        codes.view(n, k // 32, 32).view(torch.uint8)], dim=2).reshape(n, -1)
+    lin = quant.QuantLinear(k, {"": (n, FORMATS["q8_0"])})
+    lin.load_quant("", blocks.contiguous(), FORMATS["q8_0"])
+    ties = 0
+    for m in (4, 8, 16, 40):
+        x = torch.tensor([[rng.randint(-60, 60) for _ in range(k)] for _ in range(m)], dtype=torch.float32)
+        x[:, ::32] = 32639.0
+        exact = x.double() @ codes.double().T  # [m, n], integers below 2^24: exact in fp32 too
+        acts = ext.quantize_act(x)  # fp32 in (32,639 is not a bf16 value), bf16 out
+        for path in (0, 1, 2) if ext.isa() in ("amx", "avx512") else (0,):
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            ext.gemm(*acts, lin.qweight0, FORMATS["q8_0"].ggml_type, out, 0, path)
+            assert torch.equal(out, exact.float().bfloat16()), (m, path)
+        low = exact.abs() % 2 ** (torch.floor(torch.log2(exact.abs().clamp(min=1))) - 7)
+        ties += int(((exact.abs() >= 256) & (low == 2 ** (torch.floor(torch.log2(exact.abs().clamp(min=1))) - 8))).sum())
+    assert ties > 100, ties  # the test met ties, each of which half-up rounding would break
+

@@ -220,23 +220,10 @@ inline void transpose_keys(const float* kr, float* kt, int64_t d) {
 #if defined(__AVX2__)
   for (int64_t j0 = 0; j0 < kKeys; j0 += 8)
     for (int64_t c0 = 0; c0 < d; c0 += 8) {
-      __m256 r[8], t[8];
+      __m256 r[8];
       for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(kr + (j0 + i) * d + c0);
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-      }
-      // r[i]: dims c0 + i | c0 + i + 4 of keys j0..j0 + 3; r[i + 4] the same of keys j0 + 4..j0 + 7
-      for (int i = 0; i < 4; ++i) {
-        _mm256_storeu_ps(kt + (c0 + i) * kKeys + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_storeu_ps(kt + (c0 + i + 4) * kKeys + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-      }
+      flatserve::transpose8x8(r);  // r[i]: dim c0 + i of keys j0..j0 + 7
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (c0 + i) * kKeys + j0, r[i]);
     }
 #else
   for (int64_t j = 0; j < kKeys; ++j)
