@@ -17,8 +17,9 @@
 // The unpacked row (K bytes + K/8 floats) stays in L1 and serves every activation row of the
 // call, so a 16-row decode step reads each weight block from memory once. AVX2 (+FMA, F16C):
 // unpack and dot per 32 values in 256-bit registers, the weight codes sign-extended to int16 and
-// multiplied by vpmaddwd. Without AVX2 the same arithmetic runs in plain C++. At the amx level
-// every format takes AMX-INT8 tiles or their bits in AVX-512 lanes instead (tile_rows below); at
+// multiplied by vpmaddwd. Without AVX2 the same arithmetic runs in plain C++ (its block dot in
+// SSE2 on x86: quant_blocks.h dot_block). At the amx level every format takes AMX-INT8 tiles or
+// their bits in AVX-512 lanes instead (tile_rows below); at
 // the avx512 level the tiles' bits too, their integer dots in VNNI lanes (csrc/quant_vnni.h); at
 // the avx2 and avxvnni levels the tiles' bits as well, in 256-bit lanes (csrc/quant_tiles_ymm.h:
 // rows8, then the tiles, ymm_rows below). So the vector path above serves only the avx512 build's
@@ -133,32 +134,6 @@ void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* ou
   dot_src<MT>(r, a, m0, mins, out);
 }
 #else
-// One block's two 16-value dots, weight codes v (values in order) against x's codes (ACT_ORDER:
-// values 0-15 at positions 0-7 and 16-23, values 16-31 at 8-15 and 24-31). Integer sums: any
-// order gives the same s0, s1. A per-value gather through act_value stayed scalar (112 ms a
-// one-request step on x86-64's SSE2 baseline, 2-core Zen 5; 61 with these runs as plain loops,
-// which GCC 12 still left scalar; SSE2's pmaddwd below).
-inline void dot_block(const int8_t* v, const int16_t* x, int32_t& s0, int32_t& s1) {
-#if defined(__SSE2__)
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));       // values 0-15
-  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16));  // values 16-31
-  auto wide = [](__m128i b, bool high) {  // 8 signed bytes -> int16: each byte doubled, shifted down
-    return _mm_srai_epi16(high ? _mm_unpackhi_epi8(b, b) : _mm_unpacklo_epi8(b, b), 8);
-  };
-  auto xl = [&](int p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + p)); };
-  const __m128i a = _mm_add_epi32(_mm_madd_epi16(wide(lo, false), xl(0)), _mm_madd_epi16(wide(lo, true), xl(16)));
-  const __m128i c = _mm_add_epi32(_mm_madd_epi16(wide(hi, false), xl(8)), _mm_madd_epi16(wide(hi, true), xl(24)));
-  const __m128i t = _mm_add_epi32(_mm_unpacklo_epi32(a, c), _mm_unpackhi_epi32(a, c));  // a0+a2 c0+c2 a1+a3 c1+c3
-  const __m128i u = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));                      // sum(a) sum(c) ..
-  s0 = _mm_cvtsi128_si32(u);
-  s1 = _mm_cvtsi128_si32(_mm_shuffle_epi32(u, 0x55));
-#else
-  s0 = s1 = 0;
-  for (int i = 0; i < 8; ++i) s0 += int32_t(v[i]) * x[i] + int32_t(v[8 + i]) * x[16 + i];
-  for (int i = 0; i < 8; ++i) s1 += int32_t(v[16 + i]) * x[8 + i] + int32_t(v[24 + i]) * x[24 + i];
-#endif
-}
-
 template <int MT>
 void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* out) {
   const int64_t K = a.K, nb = K / 32;
@@ -170,10 +145,6 @@ void dot_rows(const Unpacked& w, const Acts& a, int64_t m0, bool mins, float* ou
       const int8_t* v = w.raw ? reinterpret_cast<const int8_t*>(w.raw + 34 * b + 2) : w.v + 32 * b;
       const float sc0 = w.raw ? h2f(w.raw + 34 * b) : w.sc[2 * b];
       const float sc1 = w.raw ? sc0 : w.sc[2 * b + 1];
-      // value l sits at position act_value(l) of x's block: values 0-15 (scale sc0) at 0-7 and
-      // 16-23, values 16-31 at 8-15 and 24-31. Four contiguous runs the compiler vectorizes (a
-      // per-value gather stayed scalar: 112 ms a one-request step on x86-64's SSE2 baseline);
-      // integer sums, so any order gives the same s0, s1.
       int32_t s0, s1;
       dot_block(v, xq + 32 * b, s0, s1);
       acc += xd[b] * (sc0 * float(s0) + sc1 * float(s1));
