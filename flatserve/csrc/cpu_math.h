@@ -88,7 +88,8 @@ inline void transpose8x8(__m256 r[8]) {
   for (int i = 0; i < 8; ++i) r[i] = t[i];
 }
 
-// 16 floats -> bf16 bits as c10::BFloat16(float) rounds them: to nearest even, NaN -> 0x7FC0.
+// 16 floats -> bf16 bits as c10::BFloat16(float) rounds them: to nearest even, NaN -> 0x7FC0
+// (bf16_rne below in one zmm).
 inline __m256i bf16x16_rne(__m256 lo, __m256 hi) {
   const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF), nan = _mm256_set1_epi32(0x7FC0);
   __m256i r[2];
@@ -105,6 +106,16 @@ inline __m256i bf16x16_rne(__m256 lo, __m256 hi) {
 #endif
 
 #if defined(__AVX512F__)
+// 16 floats -> bfloat16 bits as c10::BFloat16(float) rounds them: to nearest even, NaN -> 0x7FC0
+// (bf16x16_rne above in two ymm).
+inline __m256i bf16_rne(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 // exp of 16 lanes: exp_poly's polynomial with AVX-512's scalef for the 2^i (x clamped below
 // at -87 as there; above, scalef saturates to inf instead of wrapping).
 // 2^t for t >= -125.5 (t = x log2 e below); callers clamp.

@@ -169,17 +169,6 @@ struct Prefetch {
 };
 #endif
 
-#if defined(__AVX512F__)
-// 16 floats -> bfloat16 bits as c10::BFloat16(float) rounds them: to nearest even, NaN -> 0x7FC0.
-inline __m256i bf16_rne(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-#endif
-
 // f(std::integral_constant<int, F>{}) for the format F = fmt: a kernel templated on the format,
 // chosen at run time.
 template <typename Fn>

@@ -147,12 +147,12 @@ struct Dims {
 // 2-core Zen 5, 2026-11-29: 12.5 -> 8.9 ms a pass full, 7.9 -> 5.9 windowed; --rows 4 37.4 ->
 // 27.6). More than 4 heads go in passes of 4 (each head's sums the same).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
-#define FLATSERVE_SCORES_INLINE __attribute__((noinline))
+#define FLATSERVE_SCORES_ATTR __attribute__((noinline))
 #else
-#define FLATSERVE_SCORES_INLINE inline
+#define FLATSERVE_SCORES_ATTR inline
 #endif
 template <typename T, int G, int NK>
-FLATSERVE_SCORES_INLINE void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc,
+FLATSERVE_SCORES_ATTR void scores(const float* qf, const T* k, int64_t rs, int64_t d, float* sc,
                                     int64_t bs) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
   if constexpr (G > 4) {  // 16 registers hold 4 heads' accumulators: more heads in two passes

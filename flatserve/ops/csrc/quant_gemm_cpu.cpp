@@ -479,7 +479,7 @@ __attribute__((optimize("fp-contract=off"))) void dense_row(const int8_t* v, con
       __m512 x = _mm512_mul_ps(_mm512_set1_ps(sc[k / 16]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
       if (mins) x = _mm512_sub_ps(x, _mm512_set1_ps(mn[k / 32]));
       if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(o + k, x);
-      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), bf16_rne(x));
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), flatserve::bf16_rne(x));
     }
     return;
   }
