@@ -32,7 +32,8 @@ _MAGIC = 0x4B000000  # the bits of 2^23 (the kernel's nibble-to-float trick)
 ENABLED = True  # False: qgemm keeps the Triton GEMV (the benchmark's A/B)
 # The tensor-core kernel for the 4-rows-a-warp shapes ("0": the FMA kernel there, the A/B).
 MMA = os.environ.get("FLATSERVE_GEMV_MMA", "1") != "0"
-STEPS: int | None = None  # steps a load group: None by the one-wave rule (gemv), 2 or 4 forced (tests)
+STEPS: int | None = None  # the mma kernel's steps a load group: None by the one-wave rule, 2 or 4 forced
+FMA_ROWS: int | None = None  # the FMA kernel's rows a warp: None by fma_rows(), 1, 2 or 4 forced
 _MMA_SMEM_MAX = 48 * 1024  # dynamic shared memory without an opt-in: 68 bytes a block of x
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 
@@ -60,7 +61,7 @@ class _Api:
             if ".alt." not in b:
                 ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
         self.nvrtc = ctypes.CDLL(path)
-        # device -> (2 | 4 rows a warp (FMA) or "mma" (2 row pairs a warp), U steps a load
+        # device -> (1 | 2 | 4 rows a warp (FMA) or "mma" (2 row pairs a warp), U steps a load
         # group) -> CUfunction; and (device, kernel, shared bytes) -> resident CTAs an SM
         self.funcs: dict[int, dict[tuple[int | str, int], ctypes.c_void_p]] = {}
         self.fits: dict[tuple, int] = {}
@@ -140,7 +141,7 @@ class _Api:
             self.check(self.cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         mod, funcs = ctypes.c_void_p(), {}
         self.check(self.cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
-        for key, name in (((2, 2), "q4_gemv_r2_u2"), ((2, 4), "q4_gemv_r2_u4"), ((4, 2), "q4_gemv_r4_u2"),
+        for key, name in (((1, 2), "q4_gemv_r1_u2"), ((2, 2), "q4_gemv_r2_u2"), ((4, 2), "q4_gemv_r4_u2"),
                           (("mma", 2), "q4_mma_rp2_u2"), (("mma", 4), "q4_mma_rp2_u4")):
             f = ctypes.c_void_p()
             self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()),
@@ -194,11 +195,43 @@ def prepare(device: torch.device) -> bool:
 
 
 def rows_per_warp(n: int, device: torch.device) -> int:
-    """4 weight rows a warp while that leaves >= 2.5 CTAs (of 4 warps) an SM, else 2 (H100,
-    benchmarks/dev/gemv_cuda_probe.py: qkv 9.5 against 10.7 us, gate_up 32.7 / 35.2, the LM head
-    125.5 / 144.6 at 4; o 7.2 against 8.0, down 18.5 / 21.9 at 2)."""
+    """4: the tensor-core kernel (2 row pairs a warp) takes an n-row weight, from 40 x the SMs
+    rows (>= 2.5 CTAs of 4 warps an SM; on an H200 q|k|v 6.8, gate|up 23.6, the LM head 93.3 us a
+    call against 7.9, 26.8 and 108.3 for the FMA kernel at its best); 2: the FMA kernel, at
+    fma_rows() rows a warp."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return 4 if n >= 40 * sms else 2
+
+
+def fma_rows(n: int, device: torch.device) -> int:
+    """The FMA kernel's rows a warp: 4 where that still gives every SM a CTA (of 4 warps), else 2,
+    else 1. On an H200 4 rows beat 2 at Llama-3-8B's o (4096 rows, 256 CTAs: 4.9 against 5.9 us
+    a call) and tied at down (13.5); 1 row was slowest (o 7.8, down 21.9: x's four loads a
+    block serve one row). Fewer rows only so that a small weight's warps reach every SM
+    (not measured)."""
+    if FMA_ROWS is not None:
+        return FMA_ROWS
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return next(r for r in (4, 2, 1) if n >= 4 * r * sms or r == 1)
+
+
+def choose(n: int, nblk: int, device: torch.device) -> tuple[tuple[int | str, int], int, int]:
+    """The kernel for an n x (32 nblk) weight on `device` (prepared): its key in _Api.funcs, the
+    grid (CTAs of 4 warps) and the dynamic shared bytes."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    smem = 68 * (-(-nblk // 8) * 8)  # q4_mma_rp2's x table
+    if not (rows_per_warp(n, device) == 4 and MMA and smem <= _MMA_SMEM_MAX):
+        r = fma_rows(n, device)
+        return (r, 2), -(-n // (4 * r)), 0
+    grid = -(-n // 16)  # 4 warps a CTA, 2 row pairs a warp
+    # 4 steps a load group where the grid still fits one wave at that kernel's occupancy, else 2
+    # (one H200, device us a call, the two against each other: q|k|v 6.8 / 8.2, gate|up 25.5 /
+    # 23.8)
+    if STEPS is not None:
+        return ("mma", STEPS), grid, smem
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    fits = grid <= _API.ctas_per_sm(index, ("mma", 4), smem) * sms
+    return ("mma", 4 if fits else 2), grid, smem
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, n: int,
@@ -213,19 +246,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
     if funcs is None or x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 \
             or x.data_ptr() % 16 or codes.data_ptr() % 16:
         return False
-    r = rows_per_warp(n, x.device)
-    smem = 68 * (-(-nblk // 8) * 8)  # q4_mma_rp2's x table
-    base, smem = ("mma", smem) if r == 4 and MMA and smem <= _MMA_SMEM_MAX else (r, 0)
-    grid = -(-n // (4 * r))  # 4 warps a CTA, r rows a warp (the mma kernel: 2 pairs, as r = 4)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    # 4 steps a load group where the grid still fits one wave at that kernel's occupancy, else 2
-    # (one H200, device us a call, the two against each other: q|k|v 6.8 / 8.2, o 7.1 / 5.6, down
-    # 18.7 / 15.5, gate|up 25.5 / 23.8: 4 steps' registers cost o and down a second wave)
-    deep = (base, 4)
-    if STEPS is not None:
-        key = (base, STEPS) if (base, STEPS) in funcs else (base, 2)
-    else:
-        key = deep if deep in funcs and grid <= _API.ctas_per_sm(index, deep, smem) * sms else (base, 2)
+    key, grid, smem = choose(n, nblk, x.device)
     kernel = funcs[key]
     pdl = programmatic_launch(x.device)
     args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(codes.data_ptr()),

@@ -40,7 +40,8 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Te
     xd = x.double().cpu().reshape(-1)
     ref = w @ xd
     nblk = x.shape[-1] // 32
-    acc = (nblk / 8 + 16) * 2.0 ** -24 * (w.abs() @ xd.abs())
+    # the row-sequential kernels: 31 roundings in a lane's block sum, nblk / 32 steps, 5 levels
+    acc = max(nblk / 8 + 16, 36 + nblk / 32) * 2.0 ** -24 * (w.abs() @ xd.abs())
     if scales is not None:
         acc = acc + 2.0 ** -11 * (scales.double().abs().cpu() @ xd.abs().reshape(nblk, 32).sum(1))
     err = (got.double().cpu().reshape(-1) - ref).abs()
@@ -61,23 +62,29 @@ def ready() -> None:
         pytest.skip(f"the CUDA C++ GEMV did not build here: {cuda_gemv._FAILED}")
 
 
-# (N, K): tails of 2 (13, 1,000) and 4 rows a warp (from 40 x the SMs: 5,280 rows on an H100);
-# K of one block, of a tail step only (640: 20 blocks), of whole load groups (14,336) and both
-# (4,192), and of an odd count of groups (1,536 and 2,560: 3 and 5 groups of 2 steps, then 1 or 2
-# groups of 4 and a tail), both loads' group sizes (`steps`: each 4-step kernel where it exists;
-# r4's FMA kernel has only 2). From 4 rows a warp the tensor-core kernel runs (mma), or the FMA
-# one where it is off.
-@pytest.mark.parametrize("steps", [2, 4])
-@pytest.mark.parametrize("mma", [True, False])
+# (N, K): row tails for every FMA kernel (4 warps x 1, 2, 4 rows a CTA) and the tensor-core one
+# (from 40 x the SMs: 5,280 rows on an H100); K of one block, of a tail step only (640: 20
+# blocks), of whole load groups only (14,336: 7 groups of 2 FMA steps of 32 blocks), of groups
+# and a tail (4,192: 131 blocks), of no whole FMA group (1,536 and 2,560: 48 and 80 blocks; the
+# mma kernel's groups of 2 and 4 steps of 8 blocks, then its tail). `kernel`: the FMA kernel at
+# 1, 2 or 4 rows a warp, or the tensor-core kernel with 2 or 4 steps a load group (weights under
+# 40 x SMs rows take the FMA kernel by fma_rows()).
+@pytest.mark.parametrize("kernel", [("fma", 1), ("fma", 2), ("fma", 4), ("mma", 2), ("mma", 4)])
 @pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1000, 4192), (6151, 4096), (300, 14336),
                                  (5400, 640), (5301, 4192), (777, 1536), (5350, 2560)])
-def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, mma: bool, steps: int) -> None:
-    monkeypatch.setattr(cuda_gemv, "MMA", mma)
-    monkeypatch.setattr(cuda_gemv, "STEPS", steps)
+def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, kernel) -> None:
+    kind, v = kernel
+    monkeypatch.setattr(cuda_gemv, "MMA", kind == "mma")
+    monkeypatch.setattr(cuda_gemv, "FMA_ROWS" if kind == "fma" else "STEPS", v)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     p, w = _weights(n, k, g)
     x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
     codes, scales, nblk = quant_planar._views(p, FMT)
+    key = cuda_gemv.choose(n, nblk, DEV)[0]
+    if kind == "fma":
+        assert key == (v, 2), key
+    elif mma_scales(p) is not None:
+        assert key == ("mma", v), key
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
     _check(out, x, w, mma_scales(p))
@@ -86,23 +93,29 @@ def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, mma:
     assert torch.equal(via, out)
 
 
-@pytest.mark.parametrize("mma", [True, False])
-def test_both_load_group_sizes_give_the_same_bits(ready, monkeypatch, mma: bool) -> None:
-    """The two register buffers change when the loads issue, not the arithmetic or its order: 2
-    and 4 steps a group, and the one-wave rule's own pick, give the same bits."""
-    monkeypatch.setattr(cuda_gemv, "MMA", mma)
+def test_both_load_group_sizes_give_the_same_bits(ready, monkeypatch) -> None:
+    """The tensor-core kernel's two register buffers change when the loads issue, not the
+    arithmetic or its order: 2 and 4 steps a group, and the one-wave rule's own pick, give the
+    same bits."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    for n, k in ((4096, 4096), (5600, 1536), (96, 14336)):
+    for n, k in ((6151, 4096), (5600, 1536), (5400, 14336)):
         p, _ = _weights(n, k, g)
         codes, scales, nblk = quant_planar._views(p, FMT)
         x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
         outs = []
         for steps in (2, 4, None):
             monkeypatch.setattr(cuda_gemv, "STEPS", steps)
+            assert cuda_gemv.choose(n, nblk, DEV)[0][0] == "mma"
             out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
             assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (n, k)
+
+
+def test_fma_rows_keep_every_sm_busy() -> None:
+    """4 rows a warp where the grid still has a CTA for every SM, fewer below."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert [cuda_gemv.fma_rows(n, DEV) for n in (16 * sms, 16 * sms - 1, 8 * sms - 1, 64)] == [4, 2, 1, 1]
 
 
 def test_gemv_in_a_cuda_graph_replays_with_new_activations(ready) -> None:

@@ -7,20 +7,27 @@
 // pieces spread over 8 lines a warp); benchmarks/dev/gemv_cuda_probe.py, raw
 // docs/benchmarks/raw/gpu_h100_q4_0_cuda_probe/.
 //
-// Layout: a warp owns R weight rows and walks the whole K, 8 blocks a step: lane (j, c) = (lane /
-// 4, lane % 4) takes block j's values 8c..8c+7, i.e. nibbles 2c and 2c + 1 of the block's 4 code
-// words (nibble s of word w is value 4s + w), so x is one 16-byte load a lane (a warp reads 512
-// contiguous bytes) and the codes one 16-byte load a row (the block's 4 lanes load the same 16
-// bytes). Each nibble becomes q - 8 exactly by one LOP3 into the mantissa of 2^23 (2^19) and one
-// FADD, as quant_planar._field; products and sums are fp32 FMAs, as the Triton kernel's. The lanes'
-// sums meet in a shuffle tree at the end.
+// Layout (q4_gemv_r*): a warp owns R weight rows and walks the whole K, 32 blocks a step: lane
+// l takes block l of the step, so each code load of a warp is 512 contiguous bytes of one row and
+// a lane's x is its block's 64 bytes (four 16-byte loads, shared by the R rows). Each nibble
+// becomes q - 8 exactly by one LOP3 into the mantissa of 2^23 (2^19) and one FADD, as
+// quant_planar._field; a lane sums its block's 32 products in fp32 FMAs, then scales; the lanes'
+// sums meet in a shuffle tree at the end. Until 2026-11-29 a step was 8 blocks, lane (j, c) =
+// (lane / 4, lane % 4) taking values 8c..8c+7 of block j, so a load was 128 bytes of a row, each
+// 16-byte piece loaded by its block's 4 lanes: on an H200 o took 5.6 and down 15.0 us a call
+// against 4.9 and 13.5 now, the b1 forward of Llama-3-8B 2.34-2.39 against 2.30-2.31 ms
+// (docs/benchmarks/raw/gpu_h200_q4_0_gemv_seq/).
 //
 // Loads: groups of U steps, in two register buffers, so group g + 1's loads are in flight while
 // group g's FMAs run (`pipelined`). Before (e99cf1e) a warp issued a group's loads and then waited
 // for them: one DRAM round trip a group with nothing in flight during the FMAs, and Nsight
 // Compute put down's GEMV at 35% of DRAM throughput with no eligible warp half the cycles (H200,
-// raw docs/benchmarks/raw/gpu_h200_q4_0_gemv_pipelined/). U = 2 or 4 (cuda_gemv.py picks: 4
-// where the grid still fits one wave at its occupancy, else 2).
+// raw docs/benchmarks/raw/gpu_h200_q4_0_gemv_pipelined/). The row-sequential kernel takes U = 2
+// (U = 4, or R = 8 with U = 1, were slower: more registers, fewer warps); the mma kernel U = 2
+// or 4 (cuda_gemv.py picks: 4 where the grid still fits one wave at its occupancy, else 2).
+// Holding the in-flight weights in shared memory instead (a cp.async ring, then a cp.async.bulk
+// ring on mbarriers) was slower both times: docs/benchmarks/raw/gpu_h100_q4_0_gemv_staged/,
+// gpu_h200_q4_0_gemv_ring/.
 //
 // Launched with programmatic dependent launch (pdl = 1, sm_90; flatserve/ops/pdl.py), a warp
 // issues its first step's weight loads, then waits for the kernel before it (griddepcontrol.wait)
@@ -68,42 +75,21 @@ __device__ __forceinline__ u16 f2bf(float f) {  // fp32 -> bf16, round to neares
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 
-// One step's products: x chunk xv (8 bf16), each row's 4 code words cv[r] and fp16 scale sv[r].
-template <int R>
-__device__ __forceinline__ void step(const U4& xv, const U4* cv, const u16* sv, float* acc, int sh,
-                                     u32 m0, u32 m1) {
-  const float xf[8] = {bf_lo(xv.x), bf_hi(xv.x), bf_lo(xv.y), bf_hi(xv.y),
-                       bf_lo(xv.z), bf_hi(xv.z), bf_lo(xv.w), bf_hi(xv.w)};
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const u32 w[4] = {cv[r].x >> sh, cv[r].y >> sh, cv[r].z >> sh, cv[r].w >> sh};
-    float t = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // nibble 2c of word i: value 8c + i; nibble 2c + 1: 8c + 4 + i
-      const float fa = __uint_as_float((w[i] & 0xFu) | m0) - 8388616.f;  // 2^23 + 8
-      const float fb = __uint_as_float((w[i] & 0xF0u) | m1) - 524296.f;  // 2^19 + 8
-      t = fmaf(fa, xf[i], t);
-      t = fmaf(fb, xf[4 + i], t);
-    }
-    acc[r] = fmaf(h2f(sv[r]), t, acc[r]);
-  }
-}
-
 __device__ __forceinline__ U4 ldg(const U4* p) { return ldg128(p); }
 __device__ __forceinline__ u32 ldg(const u32* p) { return ldg32(p); }
 
-// U steps of R rows' codes and scales, from block kb on: cp[r] / sp[r] point at this lane's part
-// of the row's first block, S elements of T a block (a U4 of 4 code words: gemv; one u32 word
-// of 4: the mma kernel).
-template <int R, int U, int S, typename T>
+// U steps (B blocks each) of R rows' codes and scales, from block kb on: cp[r] / sp[r] point at
+// this lane's part of the row's first block, S elements of T a block (a U4 of 4 code words: gemv;
+// one u32 word of 4: the mma kernel).
+template <int R, int U, int S, typename T, int B = 8>
 __device__ __forceinline__ void load_weights(const T* const* cp, const u16* const* sp, int kb,
                                              T (&cv)[U][R], u16 (&sv)[U][R]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      cv[u][r] = ldg(cp[r] + (size_t)(kb + 8 * u) * S);
-      sv[u][r] = ldg16(sp[r] + kb + 8 * u);
+      cv[u][r] = ldg(cp[r] + (size_t)(kb + B * u) * S);
+      sv[u][r] = ldg16(sp[r] + kb + B * u);
     }
   }
 }
@@ -140,64 +126,103 @@ __device__ __forceinline__ void pdl_sync() {
 #endif
 }
 
+// One step's products: this lane's block of x (32 bf16 in 4 chunks xv), each row's 4 code words
+// cv[r] and fp16 scale sv[r]; the block's 32 products summed, then scaled into acc[r].
+template <int R>
+__device__ __forceinline__ void step(const U4 (&xv)[4], const U4* cv, const u16* sv, float* acc,
+                                     u32 m0, u32 m1) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const u32 w[4] = {cv[r].x, cv[r].y, cv[r].z, cv[r].w};
+    float t = 0.f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {  // values 8c .. 8c + 7: x chunk xv[c], nibbles 2c and 2c + 1
+      const float xf[8] = {bf_lo(xv[c].x), bf_hi(xv[c].x), bf_lo(xv[c].y), bf_hi(xv[c].y),
+                           bf_lo(xv[c].z), bf_hi(xv[c].z), bf_lo(xv[c].w), bf_hi(xv[c].w)};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32 v = w[i] >> (8 * c);
+        t = fmaf(__uint_as_float((v & 0xFu) | m0) - 8388616.f, xf[i], t);
+        t = fmaf(__uint_as_float((v & 0xF0u) | m1) - 524296.f, xf[4 + i], t);
+      }
+    }
+    acc[r] = fmaf(h2f(sv[r]), t, acc[r]);
+  }
+}
+
 // x [nblk * 32] bf16 (16-byte aligned), codes [N][nblk] x 16 bytes, scales [N][nblk] fp16, out [N]
 // bf16. magic: the bits of 2^23 (a kernel argument: a constant mask and magic would both be
 // immediates, and LOP3 takes one). Rows past N read row N - 1 and store nothing; blocks past nblk
-// (the last step when nblk % 8 != 0) read x as 0 and the last block's codes.
+// (the last step when nblk % 32 != 0) read x as 0 and the row's last block's codes.
 template <int R, int U>
 __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
                                      const u16* __restrict__ scales, u16* __restrict__ out, int N,
                                      int nblk, int magic, int pdl) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
-  const int j = lane >> 2, c = lane & 3, sh = 8 * c;
   const u32 m0 = (u32)magic, m1 = (u32)magic - 0x2000000u;  // bits of 2^23, 2^19
   const U4* cp[R];
   const u16* sp[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {  // rows past N read row N - 1 (a warp past the end too)
     const size_t n = (size_t)min(row0 + r, N - 1);
-    cp[r] = codes + n * nblk + j;
-    sp[r] = scales + n * nblk + j;
+    cp[r] = codes + n * nblk + lane;
+    sp[r] = scales + n * nblk + lane;
   }
-  // The first step's weights are loaded before the PDL wait: they arrive while the kernel
+  struct Buf { U4 c[U][R]; u16 s[U][R]; } a, b;
+  const int full = nblk / (32 * U);
+  // The first group's weights are loaded before the PDL wait: they arrive while the kernel
   // before ends. (Prefetching each warp's whole rows into L2 there instead made a Llama-3-8B
   // q4_0 forward slower on an H100: 3.25 against 3.08-3.15 ms without PDL.)
-  struct Buf { U4 c[U][R]; u16 s[U][R]; } a, b;
-  const int full = nblk / (8 * U);
-  if (full) load_weights<R, U, 1>(cp, sp, 0, a.c, a.s);
+  if (full) load_weights<R, U, 1, U4, 32>(cp, sp, 0, a.c, a.s);
   if (pdl) pdl_sync();  // every warp, the ones past N too: nothing below runs before the last kernel ends
   if (row0 >= N) return;  // a whole warp past the end: no CTA-wide barrier below
-  const u16* xp = x + j * 32 + c * 8;
+  const U4* xp = reinterpret_cast<const U4*>(x) + lane * 4;  // this lane's block: 4 x 16 bytes
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  pipelined(full, 8 * U, a, b, [&](int k, Buf& d) { load_weights<R, U, 1>(cp, sp, k, d.c, d.s); },
+  pipelined(full, 32 * U, a, b, [&](int k, Buf& d) { load_weights<R, U, 1, U4, 32>(cp, sp, k, d.c, d.s); },
             [&](int k, const Buf& d) {
-              U4 xv[U];
 #pragma unroll
-              for (int u = 0; u < U; ++u) xv[u] = ldg128(xp + (size_t)(k + 8 * u) * 32);
-#pragma unroll
-              for (int u = 0; u < U; ++u) step<R>(xv[u], d.c[u], d.s[u], acc, sh, m0, m1);
+              for (int u = 0; u < U; ++u) {
+                const U4* q = xp + (size_t)(k + 32 * u) * 4;
+                const U4 xv[4] = {ldg128(q), ldg128(q + 1), ldg128(q + 2), ldg128(q + 3)};
+                step<R>(xv, d.c[u], d.s[u], acc, m0, m1);
+              }
             });
-  for (int kb = full * 8 * U; kb < nblk; kb += 8) {
-    const bool in = kb + j < nblk;
-    const int b = in ? kb : nblk - 1 - j;  // this lane's block kb + j, or the row's last block
-    U4 xv = {0u, 0u, 0u, 0u}, cv[R];
+  for (int kb = full * 32 * U; kb < nblk; kb += 32) {  // single steps; past nblk: x 0, the last block
+    const bool in = kb + lane < nblk;
+    const int bk = in ? kb : nblk - 1 - lane;
+    U4 xv[4] = {}, cv[R];
     u16 sv[R];
-    if (in) xv = ldg128(xp + (size_t)kb * 32);
+    if (in) {
+      const U4* q = xp + (size_t)kb * 4;
+      xv[0] = ldg128(q), xv[1] = ldg128(q + 1), xv[2] = ldg128(q + 2), xv[3] = ldg128(q + 3);
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      cv[r] = ldg128(cp[r] + b);
-      sv[r] = ldg16(sp[r] + b);
+      cv[r] = ldg128(cp[r] + bk);
+      sv[r] = ldg16(sp[r] + bk);
     }
-    step<R>(xv, cv, sv, acc, sh, m0, m1);
+    step<R>(xv, cv, sv, acc, m0, m1);
   }
   warp_sums<R>(acc);
 #pragma unroll
   for (int r = 0; r < R; ++r)
     if (lane == 0 && row0 + r < N) out[row0 + r] = f2bf(acc[r]);
 }
+
+// 4 warps a CTA; ptxas may use up to 255 registers (1 CTA an SM at the least). sm_90 builds
+// (NVCC 13, -Xptxas -v): r1_u2 90, r2_u2 114, r4_u2 208, mma_u2 124, mma_u4 141 registers.
+#define GEMV_KERNEL(R, U)                                                                            \
+  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u##U(                        \
+      const u16* x, const U4* codes, const u16* scales, u16* out, int N, int nblk, int magic,      \
+      int pdl) {                                                                                   \
+    gemv<R, U>(x, codes, scales, out, N, nblk, magic, pdl);                                       \
+  }
+GEMV_KERNEL(1, 2)
+GEMV_KERNEL(2, 2)
+GEMV_KERNEL(4, 2)
 
 __device__ __forceinline__ void mma_bf16(float& c0, float& c1, float& c2, float& c3, u32 a0, u32 a1,
                                          u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -259,8 +284,8 @@ __device__ __forceinline__ void stage_x(const u16* x, int nblk, int nb8, U4* xs,
   __syncthreads();
 }
 
-// codes as u32 words [N][nblk][4]; the rest as gemv(). Dynamic shared memory: 68 bytes a block
-// of nb8 = nblk rounded up to 8.
+// codes as u32 words [N][nblk][4]; the rest as gemv(), in steps of 8 blocks. Dynamic shared
+// memory: 68 bytes a block of nb8 = nblk rounded up to 8.
 template <int RP, int U>
 __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* __restrict__ codes,
                                          const u16* __restrict__ scales, u16* __restrict__ out, int N,
@@ -313,18 +338,6 @@ __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* _
   for (int r = 0; r < 2 * RP; ++r)
     if (lane == 0 && row + r < N) out[row + r] = f2bf(acc[r]);
 }
-
-// 4 warps a CTA; ptxas may use up to 255 registers (1 CTA an SM at the least). sm_90 builds
-// (NVRTC 13, -Xptxas -v): r2_u2 112, r2_u4 168, r4_u2 192, mma_u2 125, mma_u4 147 registers.
-#define GEMV_KERNEL(R, U)                                                                            \
-  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u##U(                        \
-      const u16* x, const U4* codes, const u16* scales, u16* out, int N, int nblk, int magic,      \
-      int pdl) {                                                                                   \
-    gemv<R, U>(x, codes, scales, out, N, nblk, magic, pdl);                                       \
-  }
-GEMV_KERNEL(2, 2)
-GEMV_KERNEL(2, 4)
-GEMV_KERNEL(4, 2)
 
 #define MMA_KERNEL(U)                                                                                \
   extern "C" __global__ void __launch_bounds__(128, 1) q4_mma_rp2_u##U(const u16* x,              \

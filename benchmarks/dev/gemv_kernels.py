@@ -1,0 +1,56 @@
+"""The one-row q4_0 GEMV's kernels (flatserve/model/cuda_gemv.py) per Llama-3-8B linear: the
+default choice, then the FMA kernel at 1, 2 and 4 rows a warp and the tensor-core kernel at 2
+and 4 steps a load group; device us a call in a CUDA graph with the weights rotated over 2x the
+L2; floor = weight bytes / the copy rate measured here.
+
+    PYTHONPATH=. python3 benchmarks/dev/gemv_kernels.py [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+sys.path.insert(0, ".")
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "head": (128256, 4096)}
+# (MMA, FMA_ROWS, STEPS): the default, the FMA kernel forced to 1 / 2 / 4 rows, the mma kernel's
+# load groups (it runs only where rows_per_warp says 4)
+SETTINGS = [(True, None, None), (False, 1, None), (False, 2, None), (False, 4, None), (True, None, 2),
+            (True, None, 4)]
+
+
+def main() -> None:
+    import torch
+
+    from benchmarks.dev.quant_gemm_gpu import graph_us, random_blocks
+    from flatserve.bench.gpu import copy_bandwidth
+    from flatserve.model import cuda_gemv, quant_planar as qp
+    from flatserve.model.qformats import FORMATS
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    fmt, dev = FORMATS["q4_0"], torch.device("cuda")
+    assert cuda_gemv.prepare(dev)
+    bw, l2 = copy_bandwidth(), torch.cuda.get_device_properties(0).L2_cache_size
+    print(torch.cuda.get_device_name(), f"copy {bw / 1e9:.0f} GB/s", flush=True)
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * fmt.row_bytes(k)
+        ps = [qp.repack(random_blocks(n, k, fmt, "cuda"), fmt) for _ in range(max(1, -(-2 * l2 // nbytes)))]
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+        res: dict = {}
+        for _ in range(args.rounds):
+            for st in SETTINGS:
+                cuda_gemv.MMA, cuda_gemv.FMA_ROWS, cuda_gemv.STEPS = st
+                key = cuda_gemv.choose(n, k // 32, dev)[0]
+                label = ("default " if st == SETTINGS[0] else "") + "/".join(map(str, key))
+                res.setdefault(label, []).append(graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps]))
+        cuda_gemv.MMA, cuda_gemv.FMA_ROWS, cuda_gemv.STEPS = SETTINGS[0]
+        print(f"{name:8s} floor {nbytes / bw * 1e6:6.1f} us  "
+              + "  ".join(f"{key}: {min(v):6.1f}" for key, v in res.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
