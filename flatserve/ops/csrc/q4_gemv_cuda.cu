@@ -23,7 +23,8 @@
 // for them: one DRAM round trip a group with nothing in flight during the FMAs, and Nsight
 // Compute put down's GEMV at 35% of DRAM throughput with no eligible warp half the cycles (H200,
 // raw docs/benchmarks/raw/gpu_h200_q4_0_gemv_pipelined/). The row-sequential kernel takes U = 2
-// (U = 4, or R = 8 with U = 1, were slower: more registers, fewer warps); the mma kernel U = 2
+// (U = 4, R = 8 with U = 1, or x loaded a group ahead with the codes, +64-117 registers, were
+// slower: fewer warps; down 13.5 -> 14.8-17.8 us with x ahead, H200); the mma kernel U = 2
 // or 4 (cuda_gemv.py picks: 4 where the grid still fits one wave at its occupancy, else 2).
 // Holding the in-flight weights in shared memory instead (a cp.async ring, then a cp.async.bulk
 // ring on mbarriers) was slower both times: docs/benchmarks/raw/gpu_h100_q4_0_gemv_staged/,
