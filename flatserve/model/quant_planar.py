@@ -23,8 +23,8 @@ row lookups, the torch reference).
 Kernels, each checked against the torch reference (tests/model/test_quant_triton.py, in the
 Triton interpreter on a CPU and compiled on CUDA):
 - one row of bf16 activations, q4_0: the CUDA C++ GEMV of cuda_gemv.py (`_fma_kernel`'s
-  arithmetic, 1.4-1.5x faster per linear on an H100, or tensor-core products for the large
-  linears; tests/model/test_cuda_gemv.py), where it built; else, and up to FMA_ROWS rows:
+  nibble trick and fp32 FMAs, 1.4-1.5x faster per linear on an H100, or tensor-core products for
+  the large linears; tests/model/test_cuda_gemv.py), where it built; else, and up to FMA_ROWS rows:
   `_fma_kernel`, fp32 FMAs; codes to floats by masking each nibble in place into the mantissa
   of a power of 2 chosen per nibble position, so one FADD gives q - 8 exactly (no scaling of
   x, no zero-point sum), the scales loaded in the codes' register layout
