@@ -87,6 +87,23 @@ class RequestGrammar:
         return ok and not m.is_terminated()
 
 
+# xgrammar (0.2.9, the newest on PyPI on 2026-11-29) writes the characters of a length-bounded
+# JSON string ({"type": "string", "maxLength": n}) as [^"\\\r\n]: a tab or any other control
+# character passes unescaped, which is not JSON (json.loads refuses it; a served request returned
+# {"sku": "]}]] }\t\t"}). Its unbounded strings already exclude \0-\x1f.
+_BOUNDED_CHARS, _JSON_CHARS = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
+
+
+def json_schema_ebnf(schema: str) -> str | None:
+    """xgrammar's grammar for `schema` (compact separators) as EBNF with its bounded strings'
+    characters restricted to JSON's (no control characters; escapes stay out of them, as
+    xgrammar has it), or None where it has no such rule (compile the schema as it is)."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return text.replace(_BOUNDED_CHARS, _JSON_CHARS) if _BOUNDED_CHARS in text else None
+
+
 class GrammarCache:
     """Compiles each distinct spec once, on one worker thread, shared by every request."""
 
@@ -126,7 +143,9 @@ class GrammarCache:
         try:
             if kind == "json":
                 # Compact separators, no free whitespace: a sampled model cannot pad forever.
-                return c.compile_json_schema(val, any_whitespace=False)
+                fixed = json_schema_ebnf(val)
+                return c.compile_json_schema(val, any_whitespace=False) if fixed is None \
+                    else c.compile_grammar(fixed)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "any_json":

@@ -150,6 +150,30 @@ def test_draft_rows_masked_after_tentative_accepts_then_rolled_back(cache: Gramm
     assert accepted[:len(good)].all() and not accepted[bad_row]
 
 
+def test_bounded_strings_mask_every_control_character(cache: GrammarCache) -> None:
+    """Inside a length-bounded string every token that holds a control character (a tab, the
+    tab runs Gemma's vocabulary has, a byte token below 0x20) is masked: xgrammar 0.2.9 alone lets
+    them through unescaped (structured.json_schema_ebnf says why). Ordinary text still passes,
+    and the bound still closes the string."""
+    spec = StructuredOutputs(json={"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}},
+                                   "required": ["s"], "additionalProperties": False})
+    tok = cache._tokenizer
+    req = _req(spec, cache)
+    m = req.grammar.matcher
+    for t in tok('{"s": "ab', add_special_tokens=False).input_ids:
+        assert m.accept_token(t)
+    bm = fill_bitmask(expand([(req, [])]), 262144)
+    allowed = ((bm[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(-1).bool()
+    texts = tok.batch_decode([[i] for i in range(262144)])
+    ctrl = [i for i, t in enumerate(texts) if any(ord(ch) < 32 for ch in t)]
+    assert len(ctrl) > 10 and not allowed[ctrl].any(), [texts[i] for i in ctrl if allowed[i]][:5]
+    plain = [i for i in tok("cd", add_special_tokens=False).input_ids]
+    assert allowed[plain[0]]
+    for t in tok('cd"}', add_special_tokens=False).input_ids:  # 4 characters: the string may close
+        assert m.accept_token(t)
+    assert m.accept_token(1) and m.is_terminated()
+
+
 def test_bad_specs_fail_compile_with_a_message(cache: GrammarCache) -> None:
     for spec, word in [(StructuredOutputs(regex="(ab"), "regex"),
                        (StructuredOutputs(grammar="root ::= undefined_rule"), "grammar"),
