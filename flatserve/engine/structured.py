@@ -88,7 +88,7 @@ class RequestGrammar:
 
 
 # xgrammar (0.2.9, the newest on PyPI on 2026-11-29) writes the characters of a length-bounded
-# JSON string ({"type": "string", "maxLength": n}) as [^"\\\r\n]: a tab or any other control
+# JSON string ({"type": "string", "maxLength": n}, or minLength) as [^"\\\r\n]: a tab or any other control
 # character passes unescaped, which is not JSON (json.loads refuses it; a served request returned
 # {"sku": "]}]] }\t\t"}). Its unbounded strings already exclude \0-\x1f.
 _BOUNDED_CHARS, _JSON_CHARS = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
