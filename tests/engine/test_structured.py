@@ -17,7 +17,8 @@ from hypothesis import strategies as st  # noqa: E402
 from flatserve.engine.request import Request  # noqa: E402
 from flatserve.engine.sampler import Sampler, expand  # noqa: E402
 from flatserve.engine.sampling_params import SamplingParams, StructuredOutputs  # noqa: E402
-from flatserve.engine.structured import GrammarCache, apply_bitmask, fill_bitmask  # noqa: E402
+from flatserve.engine.structured import (  # noqa: E402
+    GrammarCache, apply_bitmask, fill_bitmask, json_schema_ebnf)
 
 
 def _reference_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -172,6 +173,29 @@ def test_bounded_strings_mask_every_control_character(cache: GrammarCache) -> No
     for t in tok('cd"}', add_special_tokens=False).input_ids:  # 4 characters: the string may close
         assert m.accept_token(t)
     assert m.accept_token(1) and m.is_terminated()
+
+
+def test_narrowed_json_grammar_keeps_every_other_rule() -> None:
+    """json_schema_ebnf's EBNF parses back and keeps what xgrammar's own grammar enforces beside
+    the bounded strings: a pattern, a format, number bounds, a $ref, anyOf, array items; and a
+    schema without a bounded string compiles as xgrammar has it (None)."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    schema = {"type": "object", "required": ["p", "s", "n", "e", "u", "r", "a"], "properties": {
+        "p": {"type": "string", "pattern": "^[a-z]{1,5}$"}, "s": {"type": "string", "minLength": 1,
+                                                                 "maxLength": 3},
+        "n": {"type": "number", "minimum": 0.5, "maximum": 2.5}, "e": {"type": "string", "format": "email"},
+        "u": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "integer"}]}, "r": {"$ref": "#/$defs/R"},
+        "a": {"type": "array", "items": {"type": "string", "maxLength": 2}, "maxItems": 2}},
+        "$defs": {"R": {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}}}
+    g = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(schema)))
+    good = {"p": "abc", "s": "ab", "n": 1.5, "e": "a@b.co", "u": 7, "r": {"x": True}, "a": ["q"]}
+    assert accepts(g, json.dumps(good))
+    for key, bad in (("p", "ABC"), ("s", ""), ("s", "abcd"), ("s", "a\tb"), ("n", 3), ("e", "nope"),
+                     ("u", "abc"), ("u", "\t"), ("r", {"x": 1}), ("a", ["a", "b", "c"]), ("a", ["\n"])):
+        text = json.dumps({**good, key: bad}).replace("\\t", "\t").replace("\\n", "\n")  # raw, unescaped
+        assert not accepts(g, text), (key, bad)
+    assert json_schema_ebnf(json.dumps({"type": "object", "properties": {"s": {"type": "string"}}})) is None
 
 
 def test_bad_specs_fail_compile_with_a_message(cache: GrammarCache) -> None:
