@@ -14,10 +14,14 @@ sys.path.insert(0, ".")
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}
-# (MMA, FMA_ROWS, STEPS): the default, the FMA kernel forced to 1 / 2 / 4 rows, the mma kernel's
-# load groups (it runs only where rows_per_warp says 4)
-SETTINGS = [(True, None, None), (False, 1, None), (False, 2, None), (False, 4, None), (True, None, 2),
-            (True, None, 4)]
+# cuda_gemv settings: the default, the kernels before q4_ks (their default, the FMA kernel forced
+# to 1 / 2 / 4 rows, the mma kernel's load groups: it runs only where rows_per_warp says 4), then
+# q4_ks at 4, 8 and 16 rows a warp
+OLD = {"KS": False}
+SETTINGS = [{}, OLD, {**OLD, "MMA": False, "FMA_ROWS": 1}, {**OLD, "MMA": False, "FMA_ROWS": 2},
+            {**OLD, "MMA": False, "FMA_ROWS": 4}, {**OLD, "STEPS": 2}, {**OLD, "STEPS": 4}] + \
+    [{"KS_RT": rt} for rt in (4, 8, 16)]
+BASE = {"MMA": True, "FMA_ROWS": None, "STEPS": None, "KS": True, "KS_RT": None}
 
 
 def main() -> None:
@@ -43,11 +47,13 @@ def main() -> None:
         res: dict = {}
         for _ in range(args.rounds):
             for st in SETTINGS:
-                cuda_gemv.MMA, cuda_gemv.FMA_ROWS, cuda_gemv.STEPS = st
+                for a, v in {**BASE, **st}.items():
+                    setattr(cuda_gemv, a, v)
                 key = cuda_gemv.choose(n, k // 32, dev)[0]
-                label = ("default " if st == SETTINGS[0] else "") + "/".join(map(str, key))
+                label = {0: "default ", 1: "before "}.get(SETTINGS.index(st), "") + "/".join(map(str, key))
                 res.setdefault(label, []).append(graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps]))
-        cuda_gemv.MMA, cuda_gemv.FMA_ROWS, cuda_gemv.STEPS = SETTINGS[0]
+        for a, v in BASE.items():
+            setattr(cuda_gemv, a, v)
         print(f"{name:8s} floor {nbytes / bw * 1e6:6.1f} us  "
               + "  ".join(f"{key}: {min(v):6.1f}" for key, v in res.items()), flush=True)
 

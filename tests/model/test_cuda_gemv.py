@@ -41,7 +41,8 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Te
     ref = w @ xd
     nblk = x.shape[-1] // 32
     # the row-sequential kernels: 31 roundings in a lane's block sum, nblk / 32 steps, 5 levels
-    acc = max(nblk / 8 + 16, 36 + nblk / 32) * 2.0 ** -24 * (w.abs() @ xd.abs())
+    # (q4_ks: 31 + 1, 5 lane levels, 3 warps, nblk / 128 CTAs)
+    acc = max(nblk / 8 + 16, 40 + nblk / 32) * 2.0 ** -24 * (w.abs() @ xd.abs())
     if scales is not None:
         acc = acc + 2.0 ** -11 * (scales.double().abs().cpu() @ xd.abs().reshape(nblk, 32).sum(1))
     err = (got.double().cpu().reshape(-1) - ref).abs()
@@ -52,8 +53,8 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Te
 
 def mma_scales(p: torch.Tensor) -> torch.Tensor | None:
     """The scales _check needs where gemv takes the tensor-core kernel for weights `p`."""
-    n = p.shape[0]
-    return quant_planar._views(p, FMT)[1] if cuda_gemv.MMA and cuda_gemv.rows_per_warp(n, DEV) == 4 else None
+    _, scales, nblk = quant_planar._views(p, FMT)
+    return scales if cuda_gemv.choose(p.shape[0], nblk, p.device)[0][0] == "mma" else None
 
 
 @pytest.fixture(scope="module")
@@ -74,22 +75,38 @@ def ready() -> None:
                                  (5400, 640), (5301, 4192), (777, 1536), (5350, 2560)])
 def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, kernel) -> None:
     kind, v = kernel
+    monkeypatch.setattr(cuda_gemv, "KS", False)
     monkeypatch.setattr(cuda_gemv, "MMA", kind == "mma")
     monkeypatch.setattr(cuda_gemv, "FMA_ROWS" if kind == "fma" else "STEPS", v)
+    _gemv_against_reference(n, k, ("mma", v) if kind == "mma" and cuda_gemv.rows_per_warp(n, DEV) == 4
+                            else (v, 2) if kind == "fma" else None)
+
+
+# q4_ks: row tails for 4, 8 and 16 rows a warp; K of one block, of a partial slice (640: 20
+# blocks), of 4 slices (4,096: one CTA a row tile), of 2 CTAs with a partial one (4,192: 131
+# blocks), of 4 CTAs with 2 idle warps in the last (14,336: 448 blocks).
+@pytest.mark.parametrize("rt", [4, 8, 16])
+@pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1001, 4096), (6151, 4096), (5301, 4192), (300, 14336)])
+def test_ks_matches_float64_reference(ready, monkeypatch, n: int, k: int, rt: int) -> None:
+    monkeypatch.setattr(cuda_gemv, "KS_RT", rt)
+    _gemv_against_reference(n, k, ("ks", rt))
+
+
+def _gemv_against_reference(n: int, k: int, want: tuple | None) -> None:
+    """One GEMV through gemv() (asserting its kernel where `want` names one) against _check, then
+    through qgemm, which takes the same kernel at one row: the same bits."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     p, w = _weights(n, k, g)
     x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
     codes, scales, nblk = quant_planar._views(p, FMT)
     key = cuda_gemv.choose(n, nblk, DEV)[0]
-    if kind == "fma":
-        assert key == (v, 2), key
-    elif mma_scales(p) is not None:
-        assert key == ("mma", v), key
+    if want is not None:
+        assert key == want, key
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
-    _check(out, x, w, mma_scales(p))
+    _check(out, x, w, scales if key[0] == "mma" else None)
     via = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    quant_planar.qgemm(x, p, FMT, via)  # qgemm takes the same kernel at one row: the same bits
+    quant_planar.qgemm(x, p, FMT, via)
     assert torch.equal(via, out)
 
 
@@ -97,6 +114,7 @@ def test_both_load_group_sizes_give_the_same_bits(ready, monkeypatch) -> None:
     """The tensor-core kernel's two register buffers change when the loads issue, not the
     arithmetic or its order: 2 and 4 steps a group, and the one-wave rule's own pick, give the
     same bits."""
+    monkeypatch.setattr(cuda_gemv, "KS", False)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     for n, k in ((6151, 4096), (5600, 1536), (5400, 14336)):
         p, _ = _weights(n, k, g)
@@ -110,6 +128,31 @@ def test_both_load_group_sizes_give_the_same_bits(ready, monkeypatch) -> None:
             assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (n, k)
+
+
+def test_ks_sums_are_deterministic_and_counters_reset(ready, monkeypatch) -> None:
+    """q4_ks's cross-CTA sums (K > 4 slices) are added in a fixed order by whichever CTA comes
+    last, and that CTA zeroes its counter: the same bits call after call, on a graph replay too,
+    and no counter left set."""
+    monkeypatch.setattr(cuda_gemv, "KS_SPLIT", True)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    n, k = 4096, 14336
+    p, w = _weights(n, k, g)
+    codes, scales, nblk = quant_planar._views(p, FMT)
+    x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
+    assert cuda_gemv.choose(n, nblk, DEV)[0][0] == "ks"
+    outs = [torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(4)]
+    for o in outs[:3]:
+        assert cuda_gemv.gemv(x, codes, scales, o, n, nblk)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_gemv.gemv(x, codes, scales, outs[3], n, nblk)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    _check(outs[0], x, w)
+    assert not cuda_gemv._API.ks_bufs[0][1].any()
 
 
 def test_fma_rows_keep_every_sm_busy() -> None:
@@ -201,7 +244,7 @@ def test_gemv_on_a_second_gpu_uses_that_devices_kernels(ready) -> None:
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     with torch.cuda.device(dev1):
         assert cuda_gemv.prepare(dev1) and 1 in cuda_gemv._API.funcs
-        for n, k in ((1000, 4096), (6151, 4096)):  # 2 and 4 rows a warp
+        for n, k in ((1000, 4096), (6151, 4096), (1000, 14336)):  # q4_ks at 4 and 8 rows, FMA
             raw = random_blocks(FMT, n, k, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
             p, w = quant_planar.repack(raw.to(dev1), FMT), dequantize(raw, FMT, k).double()
             x = torch.randn(1, k, generator=g).bfloat16().to(dev1)
@@ -209,5 +252,4 @@ def test_gemv_on_a_second_gpu_uses_that_devices_kernels(ready) -> None:
             out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev1)
             assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
             torch.cuda.synchronize(dev1)
-            mma = cuda_gemv.MMA and cuda_gemv.rows_per_warp(n, dev1) == 4
-            _check(out, x, w, scales if mma else None)
+            _check(out, x, w, mma_scales(p))

@@ -347,3 +347,103 @@ __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* _
   }
 MMA_KERNEL(2)
 MMA_KERNEL(4)
+
+// q4_ks (one row, any K): the K split the one-kernel read probe asks for
+// (benchmarks/dev/read_floor.py: a read of down's 33 MB takes 9.6 us at 16 CTAs of 128 threads an
+// SM with 2 loads a thread against 12.3-13.8 at 2 CTAs with 4-16, the FMA kernel's shape). A warp
+// takes one slice of 32 blocks (lane l: block l) of RT rows and issues all its loads at once
+// (RT x 16 bytes a lane, no loop); x of its block stays in registers across the rows. Each lane
+// sums its block's 32 products and scales them (as step()); a butterfly over the lanes leaves each
+// row's sum on two lanes; the CTA's 4 warps (4 slices) add theirs in order in shared memory; with
+// more than 4 slices, CTA y of a row tile writes its sums to part[y] and the last of the row tile's
+// CTAs (a counter, reset by that CTA) adds them in order: deterministic.
+
+// v[RT]: this lane's partial for each of RT rows -> v[0] = row (lane / (32 / RT))'s sum over the
+// warp, on the 32 / RT lanes of that row.
+template <int RT>
+__device__ __forceinline__ float row_sums(float (&v)[RT], int lane) {
+  int n = RT;
+#pragma unroll
+  for (int o = 16; o >= 32 / RT && n > 1; o >>= 1, n >>= 1) {  // halve the rows a lane holds
+    const bool up = lane & o;
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const float send = up ? v[i] : v[i + n / 2], keep = up ? v[i + n / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+#pragma unroll
+  for (int o = 32 / RT / 2; o; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+  return v[0];
+}
+
+__device__ __forceinline__ float ldcg_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+template <int RT>
+__device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
+                                        const u16* __restrict__ scales, u16* __restrict__ out,
+                                        float* part, u32* cnt, int N, int nblk, int magic, int pdl) {
+  __shared__ float red[4][RT];
+  __shared__ int last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kb = (blockIdx.y * 4 + warp) * 32 + lane, row0 = blockIdx.x * RT;
+  const bool in = kb < nblk;  // blocks past nblk: x 0, the row's last block
+  const int bk = in ? kb : nblk - 1;
+  const u32 m0 = (u32)magic, m1 = (u32)magic - 0x2000000u;
+  U4 c[RT];
+  u16 sc[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {  // rows past N read row N - 1
+    const size_t off = (size_t)min(row0 + r, N - 1) * nblk + bk;
+    c[r] = ldg128(codes + off);
+    sc[r] = ldg16(scales + off);
+  }
+  if (pdl) pdl_sync();
+  U4 xv[4] = {};
+  if (in) {
+    const U4* q = reinterpret_cast<const U4*>(x) + (size_t)kb * 4;
+    xv[0] = ldg128(q), xv[1] = ldg128(q + 1), xv[2] = ldg128(q + 2), xv[3] = ldg128(q + 3);
+  }
+  float acc[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    acc[r] = 0.f;
+    step<1>(xv, &c[r], &sc[r], &acc[r], m0, m1);
+  }
+  const float v = row_sums<RT>(acc, lane);
+  if ((lane & (32 / RT - 1)) == 0) red[warp][lane / (32 / RT)] = v;
+  __syncthreads();
+  const int t = threadIdx.x, row = row0 + t;
+  float sum = 0.f;
+  if (t < RT) sum = ((red[0][t] + red[1][t]) + red[2][t]) + red[3][t];
+  if (gridDim.y == 1) {
+    if (t < RT && row < N) out[row] = f2bf(sum);
+    return;
+  }
+  if (t < RT && row < N) part[(size_t)blockIdx.y * N + row] = sum;
+  __threadfence();
+  __syncthreads();
+  if (t == 0) last = atomicAdd(cnt + blockIdx.x, 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (t < RT && row < N) {
+    float total = 0.f;
+    for (int y = 0; y < (int)gridDim.y; ++y) total += ldcg_f32(part + (size_t)y * N + row);
+    out[row] = f2bf(total);
+  }
+  if (t == 0) cnt[blockIdx.x] = 0;  // for the next call
+}
+
+#define KS_KERNEL(RT)                                                                                \
+  extern "C" __global__ void __launch_bounds__(128) q4_ks_rt##RT(const u16* x, const U4* codes,    \
+      const u16* scales, u16* out, float* part, u32* cnt, int N, int nblk, int magic, int pdl) {   \
+    ks_gemv<RT>(x, codes, scales, out, part, cnt, N, nblk, magic, pdl);                            \
+  }
+KS_KERNEL(4)
+KS_KERNEL(8)
+KS_KERNEL(16)
