@@ -16,12 +16,12 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "head": (128256, 4096)}
 # cuda_gemv settings: the default, the kernels before q4_ks (their default, the FMA kernel forced
 # to 1 / 2 / 4 rows, the mma kernel's load groups: it runs only where rows_per_warp says 4), then
-# q4_ks at 4, 8 and 16 rows a warp
+# q4_ks at any row count (K <= 4,096 only)
 OLD = {"KS": False}
 SETTINGS = [{}, OLD, {**OLD, "MMA": False, "FMA_ROWS": 1}, {**OLD, "MMA": False, "FMA_ROWS": 2},
             {**OLD, "MMA": False, "FMA_ROWS": 4}, {**OLD, "STEPS": 2}, {**OLD, "STEPS": 4}] + \
-    [{"KS_RT": rt} for rt in (4, 8, 16)]
-BASE = {"MMA": True, "FMA_ROWS": None, "STEPS": None, "KS": True, "KS_RT": None}
+    [{"KS_ALL": True}]
+BASE = {"MMA": True, "FMA_ROWS": None, "STEPS": None, "KS": True, "KS_ALL": False}
 
 
 def main() -> None:

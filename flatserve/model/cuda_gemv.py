@@ -34,14 +34,10 @@ ENABLED = True  # False: qgemm keeps the Triton GEMV (the benchmark's A/B)
 MMA = os.environ.get("FLATSERVE_GEMV_MMA", "1") != "0"
 STEPS: int | None = None  # the mma kernel's steps a load group: None by the one-wave rule, 2 or 4 forced
 FMA_ROWS: int | None = None  # the FMA kernel's rows a warp: None by fma_rows(), 1, 2 or 4 forced
-# The K-split kernel (q4_ks: a warp a slice of 32 blocks and RT rows; "0": the kernels before it,
-# the A/B); KS_RT forces its rows a warp (4, 8 or 16).
+# The K-split kernel (q4_ks) for K <= 4,096 from 40 x the SMs rows ("0": the kernels before it, the
+# A/B); KS_ALL: at any row count (the tests).
 KS = os.environ.get("FLATSERVE_GEMV_KS", "1") != "0"
-KS_RT: int | None = None
-# q4_ks for K past 4 slices (4,096 values) too, its CTAs' sums added by the last one ("1"; the
-# A/B): off, as down of Llama-3-8B took 15.1 us a call there against the FMA kernel's 13.6
-KS_SPLIT = os.environ.get("FLATSERVE_GEMV_KS_SPLIT", "0") == "1"
-_KS_PART, _KS_CNT = 1 << 20, 1 << 18  # q4_ks's fp32 partial sums and row-tile counters a device
+KS_ALL = False
 _MMA_SMEM_MAX = 48 * 1024  # dynamic shared memory without an opt-in: 68 bytes a block of x
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 
@@ -73,9 +69,6 @@ class _Api:
         # group) -> CUfunction; and (device, kernel, shared bytes) -> resident CTAs an SM
         self.funcs: dict[int, dict[tuple[int | str, int], ctypes.c_void_p]] = {}
         self.fits: dict[tuple, int] = {}
-        # device -> q4_ks's partial sums (fp32) and row-tile counters (zero between calls): one
-        # set a device, as the model's kernels run on one stream a device (a graph's or torch's)
-        self.ks_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def check(self, rc: int, what: str) -> None:
         if rc:
@@ -155,7 +148,7 @@ class _Api:
         self.check(self.cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
         for key, name in (((1, 2), "q4_gemv_r1_u2"), ((2, 2), "q4_gemv_r2_u2"), ((4, 2), "q4_gemv_r4_u2"),
                           (("mma", 2), "q4_mma_rp2_u2"), (("mma", 4), "q4_mma_rp2_u4"),
-                          (("ks", 4), "q4_ks_rt4"), (("ks", 8), "q4_ks_rt8"), (("ks", 16), "q4_ks_rt16")):
+                          (("ks", 8), "q4_ks_rt8")):
             f = ctypes.c_void_p()
             self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()),
                        "cuModuleGetFunction")
@@ -200,8 +193,6 @@ def prepare(device: torch.device) -> bool:
         with torch.cuda.device(index):
             _API = _API or _Api()
             _API.funcs[index] = _API.load(index, _API.cubin(f"sm_{major}{minor}"))
-            _API.ks_bufs[index] = (torch.empty(_KS_PART, dtype=torch.float32, device=f"cuda:{index}"),
-                                   torch.zeros(_KS_CNT, dtype=torch.int32, device=f"cuda:{index}"))
         return True
     except (OSError, RuntimeError, AttributeError) as e:
         _FAILED = str(e)
@@ -230,23 +221,12 @@ def fma_rows(n: int, device: torch.device) -> int:
     return next(r for r in (4, 2, 1) if n >= 4 * r * sms or r == 1)
 
 
-def ks_rows(n: int, device: torch.device) -> int:
-    """q4_ks's rows a warp for an n-row weight: 8 from 40 x the SMs rows, else 4 (on an H200, us a
-    call at 4 / 8 rows: o (4,096 rows) 4.7 / 5.3, q|k|v (6,144) 6.6 / 6.7, gate|up (28,672)
-    23.7 / 22.5, the LM head (128,256) 99.5 / 90.7; 16 slower everywhere)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return 8 if n >= 40 * sms else 4
-
-
-def choose(n: int, nblk: int, device: torch.device) -> tuple[tuple[int | str, int], int | tuple[int, int], int]:
+def choose(n: int, nblk: int, device: torch.device) -> tuple[tuple[int | str, int], int, int]:
     """The kernel for an n x (32 nblk) weight on `device` (prepared): its key in _Api.funcs, the
     grid (CTAs of 4 warps) and the dynamic shared bytes."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if KS:
-        rt = KS_RT or ks_rows(n, device)
-        tiles, chunks = -(-n // rt), -(-nblk // 128)
-        if chunks == 1 or (KS_SPLIT or KS_RT) and chunks * n <= _KS_PART and tiles <= _KS_CNT:
-            return ("ks", rt), (tiles, chunks), 0
+    if KS and nblk <= 128 and (KS_ALL or rows_per_warp(n, device) == 4):
+        return ("ks", 8), -(-n // 8), 0
     smem = 68 * (-(-nblk // 8) * 8)  # q4_mma_rp2's x table
     if not (rows_per_warp(n, device) == 4 and MMA and smem <= _MMA_SMEM_MAX):
         r = fma_rows(n, device)
@@ -280,14 +260,11 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
     args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(codes.data_ptr()),
             ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
             ctypes.c_int(n), ctypes.c_int(nblk), ctypes.c_int(_MAGIC), ctypes.c_int(int(pdl))]
-    if key[0] == "ks":
-        part, cnt = _API.ks_bufs[index]
-        args[4:4] = [ctypes.c_void_p(part.data_ptr()), ctypes.c_void_p(cnt.data_ptr())]
-    gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
+
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     attr = _LaunchAttr(id=_PDL_ATTR, value=1)  # passed only with PDL
-    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(gx, gy, 1), block=(ctypes.c_uint * 3)(128, 1, 1),
+    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(128, 1, 1),
                         smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=int(pdl))
     _API.check(_API.cuda.cuLaunchKernelEx(ctypes.byref(cfg), kernel, params, None),
                "cuLaunchKernelEx q4_gemv")

@@ -41,7 +41,7 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Te
     ref = w @ xd
     nblk = x.shape[-1] // 32
     # the row-sequential kernels: 31 roundings in a lane's block sum, nblk / 32 steps, 5 levels
-    # (q4_ks: 31 + 1, 5 lane levels, 3 warps, nblk / 128 CTAs)
+    # (q4_ks: 31 + 1 in a lane, 5 lane levels, 3 warps)
     acc = max(nblk / 8 + 16, 40 + nblk / 32) * 2.0 ** -24 * (w.abs() @ xd.abs())
     if scales is not None:
         acc = acc + 2.0 ** -11 * (scales.double().abs().cpu() @ xd.abs().reshape(nblk, 32).sum(1))
@@ -82,14 +82,20 @@ def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, kern
                             else (v, 2) if kind == "fma" else None)
 
 
-# q4_ks: row tails for 4, 8 and 16 rows a warp; K of one block, of a partial slice (640: 20
-# blocks), of 4 slices (4,096: one CTA a row tile), of 2 CTAs with a partial one (4,192: 131
-# blocks), of 4 CTAs with 2 idle warps in the last (14,336: 448 blocks).
-@pytest.mark.parametrize("rt", [4, 8, 16])
-@pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1001, 4096), (6151, 4096), (5301, 4192), (300, 14336)])
-def test_ks_matches_float64_reference(ready, monkeypatch, n: int, k: int, rt: int) -> None:
-    monkeypatch.setattr(cuda_gemv, "KS_RT", rt)
-    _gemv_against_reference(n, k, ("ks", rt))
+# q4_ks (K <= 4,096; 8 rows a CTA): row tails; K of one block, of a partial slice (640: 20
+# blocks), of 3 slices and a part (4,000: 125 blocks), of 4 (4,096).
+@pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1001, 4000), (6151, 4096), (131, 4096)])
+def test_ks_matches_float64_reference(ready, monkeypatch, n: int, k: int) -> None:
+    monkeypatch.setattr(cuda_gemv, "KS_ALL", True)
+    _gemv_against_reference(n, k, ("ks", 8))
+
+
+def test_ks_takes_large_weights_of_k_up_to_4096(ready) -> None:
+    """From 40 x the SMs rows (where the tensor-core kernel ran before) and K <= 4,096 only."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert cuda_gemv.choose(40 * sms, 128, DEV)[0] == ("ks", 8)
+    assert cuda_gemv.choose(40 * sms - 1, 128, DEV)[0][0] != "ks"
+    assert cuda_gemv.choose(40 * sms, 129, DEV)[0][0] != "ks"
 
 
 def _gemv_against_reference(n: int, k: int, want: tuple | None) -> None:
@@ -128,31 +134,6 @@ def test_both_load_group_sizes_give_the_same_bits(ready, monkeypatch) -> None:
             assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (n, k)
-
-
-def test_ks_sums_are_deterministic_and_counters_reset(ready, monkeypatch) -> None:
-    """q4_ks's cross-CTA sums (K > 4 slices) are added in a fixed order by whichever CTA comes
-    last, and that CTA zeroes its counter: the same bits call after call, on a graph replay too,
-    and no counter left set."""
-    monkeypatch.setattr(cuda_gemv, "KS_SPLIT", True)
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    n, k = 4096, 14336
-    p, w = _weights(n, k, g)
-    codes, scales, nblk = quant_planar._views(p, FMT)
-    x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
-    assert cuda_gemv.choose(n, nblk, DEV)[0][0] == "ks"
-    outs = [torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(4)]
-    for o in outs[:3]:
-        assert cuda_gemv.gemv(x, codes, scales, o, n, nblk)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cuda_gemv.gemv(x, codes, scales, outs[3], n, nblk)
-    graph.replay()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
-    _check(outs[0], x, w)
-    assert not cuda_gemv._API.ks_bufs[0][1].any()
 
 
 def test_fma_rows_keep_every_sm_busy() -> None:
@@ -244,7 +225,7 @@ def test_gemv_on_a_second_gpu_uses_that_devices_kernels(ready) -> None:
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     with torch.cuda.device(dev1):
         assert cuda_gemv.prepare(dev1) and 1 in cuda_gemv._API.funcs
-        for n, k in ((1000, 4096), (6151, 4096), (1000, 14336)):  # q4_ks at 4 and 8 rows, FMA
+        for n, k in ((1000, 4096), (6151, 4096), (1000, 14336)):  # FMA, q4_ks, FMA
             raw = random_blocks(FMT, n, k, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
             p, w = quant_planar.repack(raw.to(dev1), FMT), dequantize(raw, FMT, k).double()
             x = torch.randn(1, k, generator=g).bfloat16().to(dev1)

@@ -53,6 +53,16 @@ __device__ __forceinline__ U4 ldg128(const void* p) {
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
+// x, written by the kernel before under PDL: a coherent load (no .nc). ptxas treats .nc loads as
+// invariant for the whole kernel and may move them above griddepcontrol.wait: one build of
+// q4_ks read x before its wait (SASS: the LDG.E.128.CONSTANT of x ahead of ACQBULK), a race with
+// the kernel writing x. Plain loads stay after the wait.
+__device__ __forceinline__ U4 ldx128(const void* p) {
+  U4 v;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ u32 ldg32(const u32* p) {
   u32 v;
   asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
@@ -187,7 +197,7 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
 #pragma unroll
               for (int u = 0; u < U; ++u) {
                 const U4* q = xp + (size_t)(k + 32 * u) * 4;
-                const U4 xv[4] = {ldg128(q), ldg128(q + 1), ldg128(q + 2), ldg128(q + 3)};
+                const U4 xv[4] = {ldx128(q), ldx128(q + 1), ldx128(q + 2), ldx128(q + 3)};
                 step<R>(xv, d.c[u], d.s[u], acc, m0, m1);
               }
             });
@@ -198,7 +208,7 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
     u16 sv[R];
     if (in) {
       const U4* q = xp + (size_t)kb * 4;
-      xv[0] = ldg128(q), xv[1] = ldg128(q + 1), xv[2] = ldg128(q + 2), xv[3] = ldg128(q + 3);
+      xv[0] = ldx128(q), xv[1] = ldx128(q + 1), xv[2] = ldx128(q + 2), xv[3] = ldx128(q + 3);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -262,7 +272,7 @@ __device__ __forceinline__ void stage_x(const u16* x, int nblk, int nb8, U4* xs,
     U4 v[4] = {};
     if (bb < nblk) {
       const U4* src = reinterpret_cast<const U4*>(x + (size_t)bb * 32);
-      v[0] = ldg128(src), v[1] = ldg128(src + 1), v[2] = ldg128(src + 2), v[3] = ldg128(src + 3);
+      v[0] = ldx128(src), v[1] = ldx128(src + 1), v[2] = ldx128(src + 2), v[3] = ldx128(src + 3);
     }
     const u32 wv[16] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w,
                         v[2].x, v[2].y, v[2].z, v[2].w, v[3].x, v[3].y, v[3].z, v[3].w};
@@ -348,15 +358,19 @@ __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* _
 MMA_KERNEL(2)
 MMA_KERNEL(4)
 
-// q4_ks (one row, any K): the K split the one-kernel read probe asks for
-// (benchmarks/dev/read_floor.py: a read of down's 33 MB takes 9.6 us at 16 CTAs of 128 threads an
-// SM with 2 loads a thread against 12.3-13.8 at 2 CTAs with 4-16, the FMA kernel's shape). A warp
-// takes one slice of 32 blocks (lane l: block l) of RT rows and issues all its loads at once
-// (RT x 16 bytes a lane, no loop); x of its block stays in registers across the rows. Each lane
-// sums its block's 32 products and scales them (as step()); a butterfly over the lanes leaves each
-// row's sum on two lanes; the CTA's 4 warps (4 slices) add theirs in order in shared memory; with
-// more than 4 slices, CTA y of a row tile writes its sums to part[y] and the last of the row tile's
-// CTAs (a counter, reset by that CTA) adds them in order: deterministic.
+
+// q4_ks (one row, K <= 4,096: nblk <= 128; cuda_gemv.choose takes it from 40 x the SMs rows):
+// many small warps each issuing all its loads at once, the shape a plain read needs on an H200
+// (benchmarks/dev/read_floor.py: 14.2 MB read in 5.3 us at 16 CTAs of 128 threads an SM with 2
+// loads a thread, 7.0-8.7 at 2 CTAs, the FMA kernel's occupancy). A CTA owns RT = 8 rows and its
+// 4 warps the 4 slices of 32 blocks (lane l: block l of its warp's slice); a lane issues its RT
+// rows' 16 bytes before the PDL wait, then loads its block's x (kept in registers across the
+// rows). Each lane sums its block's 32 products and scales them (as step()); a butterfly over the
+// lanes leaves each row's sum on 32 / RT lanes; the 4 warps add theirs in order in shared memory.
+// On an H200, us a call against the kernels before it (benchmarks/dev/gemv_kernels.py): q|k|v
+// 6.5 / 6.8, gate|up 21.6 / 23.7, the LM head 85.5 / 94.0; o (4,096 rows) 5.0 / 4.8 keeps the FMA
+// kernel, and so do K past 4,096 (down: a loop over slices took 15.3-18.1 us, a split over CTAs
+// 15.1, against 13.5).
 
 // v[RT]: this lane's partial for each of RT rows -> v[0] = row (lane / (32 / RT))'s sum over the
 // warp, on the 32 / RT lanes of that row.
@@ -377,20 +391,13 @@ __device__ __forceinline__ float row_sums(float (&v)[RT], int lane) {
   return v[0];
 }
 
-__device__ __forceinline__ float ldcg_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-
 template <int RT>
 __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
                                         const u16* __restrict__ scales, u16* __restrict__ out,
-                                        float* part, u32* cnt, int N, int nblk, int magic, int pdl) {
+                                        int N, int nblk, int magic, int pdl) {
   __shared__ float red[4][RT];
-  __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int kb = (blockIdx.y * 4 + warp) * 32 + lane, row0 = blockIdx.x * RT;
+  const int kb = warp * 32 + lane, row0 = blockIdx.x * RT;
   const bool in = kb < nblk;  // blocks past nblk: x 0, the row's last block
   const int bk = in ? kb : nblk - 1;
   const u32 m0 = (u32)magic, m1 = (u32)magic - 0x2000000u;
@@ -402,11 +409,18 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
     c[r] = ldg128(codes + off);
     sc[r] = ldg16(scales + off);
   }
+  // A store that needs every weight word, never taken, ahead of the wait: without it ptxas put
+  // all of q4_ks's weight loads after griddepcontrol.wait (SASS), none in flight across it
+  // (benchmarks/dev/pdl_sass_check.sh counts the loads on either side of it, per kernel).
+  u32 h = 0;
+#pragma unroll
+  for (int r = 0; r < RT; ++r) h ^= c[r].x ^ c[r].y ^ c[r].z ^ c[r].w ^ sc[r];
+  if (threadIdx.x == 1024) red[0][0] = __uint_as_float(h);
   if (pdl) pdl_sync();
   U4 xv[4] = {};
   if (in) {
     const U4* q = reinterpret_cast<const U4*>(x) + (size_t)kb * 4;
-    xv[0] = ldg128(q), xv[1] = ldg128(q + 1), xv[2] = ldg128(q + 2), xv[3] = ldg128(q + 3);
+    xv[0] = ldx128(q), xv[1] = ldx128(q + 1), xv[2] = ldx128(q + 2), xv[3] = ldx128(q + 3);
   }
   float acc[RT];
 #pragma unroll
@@ -418,32 +432,12 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
   if ((lane & (32 / RT - 1)) == 0) red[warp][lane / (32 / RT)] = v;
   __syncthreads();
   const int t = threadIdx.x, row = row0 + t;
-  float sum = 0.f;
-  if (t < RT) sum = ((red[0][t] + red[1][t]) + red[2][t]) + red[3][t];
-  if (gridDim.y == 1) {
-    if (t < RT && row < N) out[row] = f2bf(sum);
-    return;
-  }
-  if (t < RT && row < N) part[(size_t)blockIdx.y * N + row] = sum;
-  __threadfence();
-  __syncthreads();
-  if (t == 0) last = atomicAdd(cnt + blockIdx.x, 1u) == gridDim.y - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  if (t < RT && row < N) {
-    float total = 0.f;
-    for (int y = 0; y < (int)gridDim.y; ++y) total += ldcg_f32(part + (size_t)y * N + row);
-    out[row] = f2bf(total);
-  }
-  if (t == 0) cnt[blockIdx.x] = 0;  // for the next call
+  if (t < RT && row < N) out[row] = f2bf(((red[0][t] + red[1][t]) + red[2][t]) + red[3][t]);
 }
 
 #define KS_KERNEL(RT)                                                                                \
   extern "C" __global__ void __launch_bounds__(128) q4_ks_rt##RT(const u16* x, const U4* codes,    \
-      const u16* scales, u16* out, float* part, u32* cnt, int N, int nblk, int magic, int pdl) {   \
-    ks_gemv<RT>(x, codes, scales, out, part, cnt, N, nblk, magic, pdl);                            \
+      const u16* scales, u16* out, int N, int nblk, int magic, int pdl) {                          \
+    ks_gemv<RT>(x, codes, scales, out, N, nblk, magic, pdl);                                       \
   }
-KS_KERNEL(4)
 KS_KERNEL(8)
-KS_KERNEL(16)
