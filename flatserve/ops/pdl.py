@@ -11,6 +11,9 @@ then let the next kernel launch (`gdc_launch_dependents`). The CUDA C++ GEMV
 The rule that keeps this safe: every PDL kernel waits, in every program, before its first write
 and before reading any tensor an earlier kernel may write (so a kernel never finishes before the
 one it follows, and the waits chain). Only static tensors (weights) are read before the wait.
+In CUDA C++, a tensor an earlier kernel writes is read with coherent loads, never ld.global.nc:
+ptxas treats .nc data as fixed for the kernel's life and may move such loads above the wait
+(it did in one build of q4_ks, 2026-11-29; benchmarks/dev/pdl_sass_check.sh checks the SASS).
 """
 from __future__ import annotations
 
