@@ -53,10 +53,11 @@ __device__ __forceinline__ U4 ldg128(const void* p) {
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-// x, written by the kernel before under PDL: a coherent load (no .nc). ptxas treats .nc loads as
-// invariant for the whole kernel and may move them above griddepcontrol.wait: one build of
-// q4_ks read x before its wait (SASS: the LDG.E.128.CONSTANT of x ahead of ACQBULK), a race with
-// the kernel writing x. Plain loads stay after the wait.
+// x, written by the kernel before under PDL: a coherent load (no .nc), volatile. ptxas treats .nc
+// loads as invariant for the whole kernel and may move them above griddepcontrol.wait: one build
+// of q4_ks read x before its wait (SASS: the LDG.E.128.CONSTANT of x ahead of ACQBULK), a race
+// with the kernel writing x. Plain loads stay after the wait in SASS, and volatile keeps NVVM
+// from hoisting the asm above pdl_sync's.
 __device__ __forceinline__ U4 ldx128(const void* p) {
   U4 v;
   asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -358,7 +359,6 @@ __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* _
 MMA_KERNEL(2)
 MMA_KERNEL(4)
 
-
 // q4_ks (one row, K <= 4,096: nblk <= 128; cuda_gemv.choose takes it from 40 x the SMs rows):
 // many small warps each issuing all its loads at once, the shape a plain read needs on an H200
 // (benchmarks/dev/read_floor.py: 14.2 MB read in 5.3 us at 16 CTAs of 128 threads an SM with 2
@@ -409,9 +409,11 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
     c[r] = ldg128(codes + off);
     sc[r] = ldg16(scales + off);
   }
-  // A store that needs every weight word, never taken, ahead of the wait: without it ptxas put
-  // all of q4_ks's weight loads after griddepcontrol.wait (SASS), none in flight across it
-  // (benchmarks/dev/pdl_sass_check.sh counts the loads on either side of it, per kernel).
+  // A store that needs every weight word, never taken, ahead of the wait: its branch ends the
+  // loads' basic block. Without it ptxas put all of q4_ks's weight loads after
+  // griddepcontrol.wait (SASS), none in flight across it. A compiler that folds threadIdx.x ==
+  // 1024 under the 128-thread bound would undo this: benchmarks/dev/pdl_sass_check.sh counts the
+  // loads on either side of the wait, per kernel (NVRTC 13.0 on an H200: 16 before, 2026-11-29).
   u32 h = 0;
 #pragma unroll
   for (int r = 0; r < RT; ++r) h ^= c[r].x ^ c[r].y ^ c[r].z ^ c[r].w ^ sc[r];
