@@ -13,7 +13,7 @@ and before reading any tensor an earlier kernel may write (so a kernel never fin
 one it follows, and the waits chain). Only static tensors (weights) are read before the wait.
 In CUDA C++, a tensor an earlier kernel writes is read with coherent loads, never ld.global.nc:
 ptxas treats .nc data as fixed for the kernel's life and may move such loads above the wait
-(it did in one build of q4_ks, 2026-11-29; benchmarks/dev/pdl_sass_check.sh checks the SASS).
+(it did in one build of q4_ks, 2026-11-29; tests/model/test_gemv_pdl_sass.py checks the SASS).
 """
 from __future__ import annotations
 
