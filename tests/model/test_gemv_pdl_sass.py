@@ -29,16 +29,18 @@ def _cuobjdump() -> str:
     return path
 
 
-def _cubin(tmp_path) -> bytes:
+def _cubin(tmp_path):
+    """The source built for sm_90 -> the cubin's path."""
+    out = tmp_path / "gemv.cubin"
     nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
     if os.access(nvcc, os.X_OK):
-        out = tmp_path / "gemv.cubin"
         subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-cubin", str(cuda_gemv._SRC), "-o", str(out)],
                        check=True, capture_output=True)
-        return out.read_bytes()
-    if torch.cuda.is_available() and cuda_gemv.prepare(torch.device("cuda")):
-        return cuda_gemv._API.compile("sm_90")
-    pytest.skip("neither NVCC nor a CUDA device with NVRTC here")
+    elif torch.cuda.is_available() and cuda_gemv.prepare(torch.device("cuda")):
+        out.write_bytes(cuda_gemv._API.compile("sm_90"))
+    else:
+        pytest.skip("neither NVCC nor a CUDA device with NVRTC here")
+    return out
 
 
 def _functions(sass: str) -> dict[str, list[str]]:
@@ -55,9 +57,8 @@ def _functions(sass: str) -> dict[str, list[str]]:
 
 def test_no_load_of_x_ahead_of_the_pdl_wait_and_weights_before_it(tmp_path) -> None:
     cuobjdump = _cuobjdump()
-    path = tmp_path / "k.cubin"
-    path.write_bytes(_cubin(tmp_path))
-    sass = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True, text=True).stdout
+    sass = subprocess.run([cuobjdump, "-sass", str(_cubin(tmp_path))], check=True, capture_output=True,
+                          text=True).stdout
     funcs = _functions(sass)
     for name in KERNELS:
         lines = funcs[name]
