@@ -18,6 +18,7 @@ from flatserve.engine.scheduler import SchedulerOutput
 from flatserve.engine.structured import apply_bitmask, fill_bitmask
 from flatserve.model.config import ModelConfig
 from flatserve.model.cpu_stack import build as cpu_stack_build
+from flatserve.model.cuda_stack import build as cuda_stack_build
 from flatserve.model.layers import Attention, DecoderLayers
 
 
@@ -100,10 +101,12 @@ class ModelRunner:
         for i, layer in enumerate(attn):
             layer.bind(self.backend, (self.kv[i, 0], self.kv[i, 1]))  # [num_blocks, block_size, Hkv, D]
         # CPU decode steps: the decoder layers in one C++ call where the model runs on its
-        # kernels (model/cpu_stack.py); None keeps the Python layers.
+        # kernels (model/cpu_stack.py); CUDA one-token steps of q4_0 Llama-shaped models: the
+        # norms and adds inside the GEMVs (model/cuda_stack.py); None keeps the Python layers.
         for m in model.modules():
             if isinstance(m, DecoderLayers):
-                m.fast = cpu_stack_build(m, self.backend) if cpu_stack and device.type == "cpu" else None
+                m.fast = cpu_stack_build(m, self.backend) if cpu_stack and device.type == "cpu" else \
+                    cuda_stack_build(m, device) if device.type == "cuda" and backend == "triton" else None
         self.num_forward_tokens = 0  # tokens the model actually ran (prefix-cache tests read it)
         self.graphs = None
         if graph_max_seqs > 0 and dev.supports_cuda_graphs(device) and backend == "triton":

@@ -148,7 +148,9 @@ class _Api:
         self.check(self.cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
         for key, name in (((1, 2), "q4_gemv_r1_u2"), ((2, 2), "q4_gemv_r2_u2"), ((4, 2), "q4_gemv_r4_u2"),
                           (("mma", 2), "q4_mma_rp2_u2"), (("mma", 4), "q4_mma_rp2_u4"),
-                          (("ks", 8), "q4_ks_rt8")):
+                          (("ks", 8), "q4_ks_rt8"),
+                          (("ks_norm", 8), "q4_ks_norm_rt8"), (("ks_norm_silu", 8), "q4_ks_norm_silu_rt8"),
+                          (("ks_norm_gelu_pytorch_tanh", 8), "q4_ks_norm_gelu_rt8")):
             f = ctypes.c_void_p()
             self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()),
                        "cuModuleGetFunction")
@@ -245,11 +247,22 @@ def choose(n: int, nblk: int, device: torch.device) -> tuple[tuple[int | str, in
     return ("mma", 4 if fits else 2), grid, smem
 
 
+def fused(n: int, nblk: int) -> bool:
+    """Whether an n x (32 nblk) weight can take the RMSNorm (and the gated activation) inside its
+    GEMV (gemv's `norm`, `act`): q4_ks's CTA covers all of K for K <= 4,096."""
+    return _API is not None and nblk <= 128
+
+
 def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, n: int,
-         nblk: int) -> bool:
+         nblk: int, res: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+         act: str | None = None) -> bool:
     """out [1, n] = x [1, K] @ W^T for planar q4_0 `codes` / `scales` (quant_planar._views);
     -> False (nothing launched) where the kernel does not apply: not prepared for this device,
-    x or out not bf16, x not 16-byte aligned."""
+    x or out not bf16, x not 16-byte aligned. The fused forms (model/cuda_stack.py): `res` [1, n]
+    bf16 is added to the output (rounded as the linear then the add); `norm` (weight [K] bf16,
+    eps): x is the residual stream and the output is W @ rmsnorm(x) (q4_ks only: `fused`);
+    `act` with `norm` ("silu", "gelu_pytorch_tanh"): the weight is gate | up and out [1, n / 2]
+    = act(gate) * up."""
     if _API is None or x.device.type != "cuda":
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -257,13 +270,20 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
     if funcs is None or x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 \
             or x.data_ptr() % 16 or codes.data_ptr() % 16:
         return False
-    key, grid, smem = choose(n, nblk, x.device)
+    if norm is not None:
+        assert fused(n, nblk) and res is None and norm[0].dtype == torch.bfloat16 and not (act and n % 2)
+        key = ("ks_norm" + (f"_{act}" if act else ""), 8)
+        grid = -(-(n // 2 if act else n) // (4 if act else 8))
+        smem = 0
+    else:
+        assert act is None
+        key, grid, smem = choose(n, nblk, x.device)
     kernel = funcs[key]
     pdl = programmatic_launch(x.device)
-    args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(codes.data_ptr()),
-            ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_int(n), ctypes.c_int(nblk), ctypes.c_int(_MAGIC), ctypes.c_int(int(pdl))]
-
+    ptr = (lambda t: ctypes.c_void_p(0 if t is None else t.data_ptr()))
+    args = [ptr(x), ptr(codes), ptr(scales), ptr(out), ctypes.c_int(n), ctypes.c_int(nblk),
+            ctypes.c_int(_MAGIC), ctypes.c_int(int(pdl)), ptr(res), ptr(None if norm is None else norm[0]),
+            ctypes.c_float(0.0 if norm is None else norm[1])]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     attr = _LaunchAttr(id=_PDL_ATTR, value=1)  # passed only with PDL

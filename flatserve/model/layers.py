@@ -328,8 +328,13 @@ class Attention(nn.Module):
         self.stores_kv = self.fused is not None and self.rope_stores_kv and hasattr(backend, "attend")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        return self.o_proj(self.attend_qkv(self.qkv_proj(x), positions))
+
+    def attend_qkv(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q|k|v [T, (Hq + 2 Hkv) D] -> the heads' outputs [T, Hq D], before o_proj (q/k norm,
+        rotary, the KV write, attention)."""
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], -1)
         q = q.view(T, self.hq, self.d)  # [T, Hq, D]
         k = k.view(T, self.hkv, self.d)  # [T, Hkv, D]
         v = v.view(T, self.hkv, self.d)
@@ -352,4 +357,4 @@ class Attention(nn.Module):
             o = self.backend.attend(q, *self.kv_cache, meta, self.params, *extra)  # [T, Hq, D]
         else:
             o = self.backend.forward(q, k, v, *self.kv_cache, meta, self.params, *extra)
-        return self.o_proj(o.reshape(T, self.hq * self.d))
+        return o.reshape(T, self.hq * self.d)

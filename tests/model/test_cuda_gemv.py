@@ -90,6 +90,80 @@ def test_ks_matches_float64_reference(ready, monkeypatch, n: int, k: int) -> Non
     _gemv_against_reference(n, k, ("ks", 8))
 
 
+# The fused forms of model/cuda_stack.py. q4_ks with the RMSNorm inside: x is the residual stream
+# h and out = rsqrt(mean(h^2) + eps) * W bf16(h * nw); checked as _check on x' = bf16(h * nw)
+# (that product of two bf16 is exact in fp32 and rounds as the kernel's cvt.rn) plus the scale's
+# own error: h^2 summed in fp32 (k terms: k 2^-24 of the sum, half of it in rsqrt) and rsqrtf
+# (2 ulp). K of one block, of a partial slice, of 4 slices; row tails.
+@pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1001, 4000), (6151, 4096)])
+def test_ks_norm_matches_float64_reference(ready, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    p, w = _weights(n, k, g)
+    h = (torch.randn(1, k, generator=g) * 3).bfloat16().to(DEV)
+    nw = (1 + 0.3 * torch.randn(k, generator=g)).bfloat16().to(DEV)
+    eps = 1e-5
+    codes, scales, nblk = quant_planar._views(p, FMT)
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert cuda_gemv.gemv(h, codes, scales, out, n, nblk, norm=(nw, eps))
+    xw = (h.float() * nw.float()).bfloat16().double().cpu().reshape(-1)
+    r = 1 / (h.double().pow(2).mean() + eps).sqrt().item()
+    ref = r * (w @ xw)
+    acc = r * max(nblk / 8 + 16, 40 + nblk / 32) * 2.0 ** -24 * (w.abs() @ xw.abs())  # as _check
+    rel = k * 2.0 ** -24 + 2.0 ** -21  # the scale
+    got = out.double().cpu().reshape(-1)
+    assert torch.isfinite(got).all()
+    bound = (ref.abs() + acc) * (2.0 ** -8 + rel) + acc + ref.abs() * rel
+    assert ((got - ref).abs() <= bound).all(), ((got - ref).abs() - bound).max()
+
+
+# Gate|up with the norm in and act(gate) * up out: the same bits as q4_ks_norm's gate and up
+# outputs followed by _act_mul_kernel's arithmetic (act in fp32 of the bf16 gate, rounded, times
+# up, rounded), the exponential's last bits aside: within 2 bf16 steps. Intermediate sizes with
+# a CTA tail (4 outputs a CTA).
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("i,k", [(4, 32), (13, 640), (1001, 4096)])
+def test_ks_norm_act_is_the_norm_gemv_then_act_and_mul(ready, act: str, i: int, k: int) -> None:
+    from flatserve.ops.triton_ops import act_and_mul
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    p, _ = _weights(2 * i, k, g)
+    h = torch.randn(1, k, generator=g).bfloat16().to(DEV)
+    nw = (1 + 0.3 * torch.randn(k, generator=g)).bfloat16().to(DEV)
+    codes, scales, nblk = quant_planar._views(p, FMT)
+    gu = torch.full((1, 2 * i), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert cuda_gemv.gemv(h, codes, scales, gu, 2 * i, nblk, norm=(nw, 1e-6))
+    out = torch.full((1, i), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert cuda_gemv.gemv(h, codes, scales, out, 2 * i, nblk, norm=(nw, 1e-6), act=act)
+    ref = act_and_mul(gu, act).float()
+    assert torch.isfinite(out).all()
+    assert ((out.float() - ref).abs() <= 2.0 ** -6 * ref.abs()).all()
+    assert (out.float() == ref).float().mean() > 0.9  # mostly the same bits
+
+
+# The residual add in the store, for every kernel family: the bits of the plain GEMV's output
+# added to res in bf16 (torch's bf16 add: fp32 sum, one rounding).
+@pytest.mark.parametrize("kernel", [("fma", 4), ("fma", 1), ("mma", 2), ("ks", 8)])
+def test_residual_add_is_the_gemv_then_the_add(ready, monkeypatch, kernel) -> None:
+    kind, v = kernel
+    n, k = {"fma": (1000, 4192), "mma": (5400, 4096), "ks": (1001, 4096)}[kind]
+    monkeypatch.setattr(cuda_gemv, "KS", kind == "ks")
+    monkeypatch.setattr(cuda_gemv, "KS_ALL", kind == "ks")
+    monkeypatch.setattr(cuda_gemv, "MMA", kind == "mma")
+    monkeypatch.setattr(cuda_gemv, "FMA_ROWS" if kind == "fma" else "STEPS", v if kind != "ks" else None)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    p, _ = _weights(n, k, g)
+    codes, scales, nblk = quant_planar._views(p, FMT)
+    key = cuda_gemv.choose(n, nblk, DEV)[0]
+    assert key[0] == kind if kind != "fma" else key == (v, 2), key
+    x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
+    res = (torch.randn(1, n, generator=g) * 4).bfloat16().to(DEV)
+    plain = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert cuda_gemv.gemv(x, codes, scales, plain, n, nblk)
+    out = torch.full_like(plain, float("nan"))
+    assert cuda_gemv.gemv(x, codes, scales, out, n, nblk, res=res)
+    assert torch.equal(out, plain + res)
+
+
 def test_ks_takes_large_weights_of_k_up_to_4096(ready) -> None:
     """From 40 x the SMs rows (where the tensor-core kernel ran before) and K <= 4,096 only."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count

@@ -64,6 +64,11 @@ __device__ __forceinline__ U4 ldx128(const void* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
+__device__ __forceinline__ u16 ldx16(const u16* p) {  // as ldx128: a residual an earlier kernel wrote
+  u16 v;
+  asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ u32 ldg32(const u32* p) {
   u32 v;
   asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
@@ -85,6 +90,14 @@ __device__ __forceinline__ u16 f2bf(float f) {  // fp32 -> bf16, round to neares
   return h;
 }
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float((u32)h << 16); }
+__device__ __forceinline__ float bf_round(float f) { return bf2f(f2bf(f)); }
+
+// A row's output: its sum rounded to bf16 (the linear's output), plus res[row] where res is set
+// (the decoder's residual add, cuda_stack.py), rounded again: the bits of the linear, then the add.
+__device__ __forceinline__ u16 out_value(float sum, const u16* res, int row) {
+  return res ? f2bf(bf_round(sum) + bf2f(ldx16(res + row))) : f2bf(sum);
+}
 __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 
 __device__ __forceinline__ U4 ldg(const U4* p) { return ldg128(p); }
@@ -169,7 +182,7 @@ __device__ __forceinline__ void step(const U4 (&xv)[4], const U4* cv, const u16*
 template <int R, int U>
 __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
                                      const u16* __restrict__ scales, u16* __restrict__ out, int N,
-                                     int nblk, int magic, int pdl) {
+                                     int nblk, int magic, int pdl, const u16* res) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
   const u32 m0 = (u32)magic, m1 = (u32)magic - 0x2000000u;  // bits of 2^23, 2^19
@@ -221,16 +234,20 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
   warp_sums<R>(acc);
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (lane == 0 && row0 + r < N) out[row0 + r] = f2bf(acc[r]);
+    if (lane == 0 && row0 + r < N) out[row0 + r] = out_value(acc[r], res, row0 + r);
 }
+
+// Every kernel takes the same arguments (cuda_gemv.gemv): x, codes, scales, out, N, nblk, magic,
+// pdl, then res (added to each output where not null), nw and eps (q4_ks's fused RMSNorm only).
+#define GEMV_ARGS                                                                                  \
+  const u16 *x, const U4 *codes, const u16 *scales, u16 *out, int N, int nblk, int magic, int pdl, \
+      const u16 *res, const u16 *nw, float eps
 
 // 4 warps a CTA; ptxas may use up to 255 registers (1 CTA an SM at the least). sm_90 builds
 // (NVCC 13, -Xptxas -v): r1_u2 90, r2_u2 114, r4_u2 208, mma_u2 124, mma_u4 141 registers.
 #define GEMV_KERNEL(R, U)                                                                            \
-  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u##U(                        \
-      const u16* x, const U4* codes, const u16* scales, u16* out, int N, int nblk, int magic,      \
-      int pdl) {                                                                                   \
-    gemv<R, U>(x, codes, scales, out, N, nblk, magic, pdl);                                       \
+  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u##U(GEMV_ARGS) {           \
+    gemv<R, U>(x, codes, scales, out, N, nblk, magic, pdl, res);                                  \
   }
 GEMV_KERNEL(1, 2)
 GEMV_KERNEL(2, 2)
@@ -301,7 +318,7 @@ __device__ __forceinline__ void stage_x(const u16* x, int nblk, int nb8, U4* xs,
 template <int RP, int U>
 __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* __restrict__ codes,
                                          const u16* __restrict__ scales, u16* __restrict__ out, int N,
-                                         int nblk, int pdl) {
+                                         int nblk, int pdl, const u16* res) {
   extern __shared__ U4 xs[];
   const int nb8 = (nblk + 7) & ~7;
   float* corr = reinterpret_cast<float*>(xs + nb8 * 4);
@@ -348,13 +365,12 @@ __device__ __forceinline__ void mma_gemv(const u16* __restrict__ x, const u32* _
   warp_sums<2 * RP>(acc);
 #pragma unroll
   for (int r = 0; r < 2 * RP; ++r)
-    if (lane == 0 && row + r < N) out[row + r] = f2bf(acc[r]);
+    if (lane == 0 && row + r < N) out[row + r] = out_value(acc[r], res, row + r);
 }
 
 #define MMA_KERNEL(U)                                                                                \
-  extern "C" __global__ void __launch_bounds__(128, 1) q4_mma_rp2_u##U(const u16* x,              \
-      const u32* codes, const u16* scales, u16* out, int N, int nblk, int magic, int pdl) {       \
-    mma_gemv<2, U>(x, codes, scales, out, N, nblk, pdl);                                           \
+  extern "C" __global__ void __launch_bounds__(128, 1) q4_mma_rp2_u##U(GEMV_ARGS) {             \
+    mma_gemv<2, U>(x, reinterpret_cast<const u32*>(codes), scales, out, N, nblk, pdl, res);       \
   }
 MMA_KERNEL(2)
 MMA_KERNEL(4)
@@ -391,23 +407,64 @@ __device__ __forceinline__ float row_sums(float (&v)[RT], int lane) {
   return v[0];
 }
 
-template <int RT>
+// act(g) of a gated MLP, as triton_ops._act_mul_kernel: 1 SiLU, 2 GELU (tanh approximation).
+template <int GLU>
+__device__ __forceinline__ float act(float g) {
+  if (GLU == 1) return g * (1.f / (1.f + __expf(-g)));
+  const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  return 0.5f * g * (1.f + (2.f * (1.f / (1.f + __expf(-2.f * z))) - 1.f));
+}
+
+// x (a lane's 32 values, 4 chunks) -> bf16(x * w) in place, and -> the sum of x^2 (fp32).
+__device__ __forceinline__ float norm_in(U4 (&xv)[4], const U4 (&wv)[4]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    u32 hv[4] = {xv[c].x, xv[c].y, xv[c].z, xv[c].w};
+    const u32 wk[4] = {wv[c].x, wv[c].y, wv[c].z, wv[c].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float lo = bf_lo(hv[i]), hi = bf_hi(hv[i]);
+      ss = fmaf(lo, lo, fmaf(hi, hi, ss));
+      hv[i] = (u32)f2bf(lo * bf_lo(wk[i])) | ((u32)f2bf(hi * bf_hi(wk[i])) << 16);
+    }
+    xv[c] = U4{hv[0], hv[1], hv[2], hv[3]};
+  }
+  return ss;
+}
+
+// NORM (cuda_stack.py's one-token decoder step): x is the residual stream h, and the kernel is the
+// RMSNorm before the linear too: out = rsqrt(mean(h^2) + eps) * (W (h * nw)). Each CTA covers all
+// of K (nblk <= 32 x its warps), so its lanes' sums of h^2 meet in the shared-memory sum it already
+// does: no extra pass, no extra barrier, and the norm weights load before the PDL wait. (The
+// reference rounds h / rms to bf16 before * nw; here the scale comes after the sum, in fp32.)
+// GLU (with NORM, the gate|up linear): a CTA's first RT / 2 rows are gate rows j.., the rest the
+// up rows N / 2 + j..; it stores act(gate) * up (N / 2 outputs) with the bits of the linear
+// followed by _act_mul_kernel. res: added to each output (the residual add; not with GLU).
+template <int RT, bool NORM, int GLU>
 __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
                                         const u16* __restrict__ scales, u16* __restrict__ out,
-                                        int N, int nblk, int magic, int pdl) {
-  __shared__ float red[4][RT];
+                                        int N, int nblk, int magic, int pdl, const u16* res,
+                                        const u16* __restrict__ nw, float eps) {
+  constexpr int OUT = GLU ? RT / 2 : RT;  // outputs a CTA
+  __shared__ float red[4][RT], ssq[4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int kb = warp * 32 + lane, row0 = blockIdx.x * RT;
+  const int kb = warp * 32 + lane, row0 = blockIdx.x * OUT, nout = GLU ? N / 2 : N;
   const bool in = kb < nblk;  // blocks past nblk: x 0, the row's last block
   const int bk = in ? kb : nblk - 1;
   const u32 m0 = (u32)magic, m1 = (u32)magic - 0x2000000u;
-  U4 c[RT];
+  U4 c[RT], wv[4] = {};
   u16 sc[RT];
 #pragma unroll
-  for (int r = 0; r < RT; ++r) {  // rows past N read row N - 1
-    const size_t off = (size_t)min(row0 + r, N - 1) * nblk + bk;
+  for (int r = 0; r < RT; ++r) {  // rows past the end read the last one
+    const int j = min(row0 + r % OUT, nout - 1);
+    const size_t off = (size_t)(GLU && r >= OUT ? nout + j : j) * nblk + bk;
     c[r] = ldg128(codes + off);
     sc[r] = ldg16(scales + off);
+  }
+  if (NORM && in) {
+    const U4* q = reinterpret_cast<const U4*>(nw) + (size_t)kb * 4;
+    wv[0] = ldg128(q), wv[1] = ldg128(q + 1), wv[2] = ldg128(q + 2), wv[3] = ldg128(q + 3);
   }
   // A store that needs every weight word, never taken, ahead of the wait: its branch ends the
   // loads' basic block. Without it ptxas put all of q4_ks's weight loads after
@@ -417,12 +474,20 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
   u32 h = 0;
 #pragma unroll
   for (int r = 0; r < RT; ++r) h ^= c[r].x ^ c[r].y ^ c[r].z ^ c[r].w ^ sc[r];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h ^= wv[i].x ^ wv[i].y ^ wv[i].z ^ wv[i].w;
   if (threadIdx.x == 1024) red[0][0] = __uint_as_float(h);
   if (pdl) pdl_sync();
   U4 xv[4] = {};
   if (in) {
     const U4* q = reinterpret_cast<const U4*>(x) + (size_t)kb * 4;
     xv[0] = ldx128(q), xv[1] = ldx128(q + 1), xv[2] = ldx128(q + 2), xv[3] = ldx128(q + 3);
+  }
+  if (NORM) {
+    float ss = norm_in(xv, wv);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) ssq[warp] = ss;
   }
   float acc[RT];
 #pragma unroll
@@ -433,13 +498,24 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
   const float v = row_sums<RT>(acc, lane);
   if ((lane & (32 / RT - 1)) == 0) red[warp][lane / (32 / RT)] = v;
   __syncthreads();
-  const int t = threadIdx.x, row = row0 + t;
-  if (t < RT && row < N) out[row] = f2bf(((red[0][t] + red[1][t]) + red[2][t]) + red[3][t]);
+  const int t = threadIdx.x;
+  if (t >= OUT || row0 + t >= nout) return;
+  const float sum = ((red[0][t] + red[1][t]) + red[2][t]) + red[3][t];  // the warps' sums in order
+  const float scale = NORM ? rsqrtf((((ssq[0] + ssq[1]) + ssq[2]) + ssq[3]) / (float)(nblk * 32) + eps) : 1.f;
+  if (GLU) {
+    const float up = ((red[0][t + OUT] + red[1][t + OUT]) + red[2][t + OUT]) + red[3][t + OUT];
+    const float g = bf_round(sum * scale), u = bf_round(up * scale);
+    out[row0 + t] = f2bf(bf_round(act<GLU>(g)) * u);
+  } else {
+    out[row0 + t] = out_value(sum * scale, res, row0 + t);
+  }
 }
 
-#define KS_KERNEL(RT)                                                                                \
-  extern "C" __global__ void __launch_bounds__(128) q4_ks_rt##RT(const u16* x, const U4* codes,    \
-      const u16* scales, u16* out, int N, int nblk, int magic, int pdl) {                          \
-    ks_gemv<RT>(x, codes, scales, out, N, nblk, magic, pdl);                                       \
+#define KS_KERNEL(NAME, RT, NORM, GLU)                                                              \
+  extern "C" __global__ void __launch_bounds__(128) NAME(GEMV_ARGS) {                              \
+    ks_gemv<RT, NORM, GLU>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, eps);          \
   }
-KS_KERNEL(8)
+KS_KERNEL(q4_ks_rt8, 8, false, 0)
+KS_KERNEL(q4_ks_norm_rt8, 8, true, 0)
+KS_KERNEL(q4_ks_norm_silu_rt8, 8, true, 1)
+KS_KERNEL(q4_ks_norm_gelu_rt8, 8, true, 2)

@@ -1,0 +1,110 @@
+"""A one-token CUDA decode step of a Llama-shaped q4_0 model with the small kernels folded into
+its GEMVs (`ops/csrc/q4_gemv_cuda.cu`): a layer is
+
+    q|k|v = W_qkv rmsnorm(h)            q4_ks_norm: the RMSNorm inside the GEMV
+    rope + KV write, attention          the layer's own kernels (Attention.attend_qkv)
+    h1 = h + W_o o                      the residual add in the GEMV's store
+    a = act(gate) * up, gate|up = W rmsnorm(h1)   q4_ks_norm_silu: norm in, activation out
+    h2 = h1 + W_down a                  the residual add again
+
+7 launches (8 with the split-KV merge) where the Python layers make 10: the two fused add +
+RMSNorm kernels and act_and_mul are gone. Why: at one token each small kernel is a few
+microseconds of latency that no weight bytes move under (docs/performance-gpu.md), ~190 of them
+a Llama-3-8B forward.
+
+The bits differ from the layers' (within bf16 rounding: the norm's 1 / rms scales the GEMV's sum
+instead of rounding rmsnorm(h) to bf16 first; tests/model/test_cuda_stack.py compares the two).
+It takes a model whose every layer is a LlamaDecoderLayer (Llama, Mistral, Qwen3, ...) with a
+gated MLP, residual multiplier 1, norms without offset, and q|k|v, o, gate|up and down each one
+q4_0 segment in the CUDA planar layout without bias or act-order, hidden size <= 4,096 (q4_ks's CTA
+covers all of K), on a device where the CUDA C++ GEMV built. `build` returns None otherwise, and
+`FLATSERVE_CUDA_STACK=0` keeps the Python layers (the A/B).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from flatserve.model import cuda_gemv
+from flatserve.model.layers import GatedMLP
+from flatserve.model.quant import QuantLinear
+
+ENABLED = os.environ.get("FLATSERVE_CUDA_STACK", "1") != "0"
+_ACTS = ("silu", "gelu_pytorch_tanh")
+
+
+def _weights(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """(codes, scales, nblk, rows) of a one-segment planar q4_0 QuantLinear, else None."""
+    if not isinstance(lin, QuantLinear) or lin.bias is not None or lin.perm.numel() \
+            or not lin.use_kernel or len(lin.fmts) != 1 or lin.fmts[0].name != "q4_0" or 0 not in lin.planar:
+        return None
+    from flatserve.model import quant_planar  # Triton: only where a CUDA model is
+
+    codes, scales, nblk = quant_planar._views(lin.segments()[0][1], lin.fmts[0])
+    return codes, scales, nblk, lin.out_features
+
+
+class _Layer:
+    def __init__(self, layer: nn.Module, lins: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        self.attn, self.act = layer.self_attn, layer.mlp.act_name
+        self.qkv, self.o, self.gate_up, self.down = lins
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.norm_in, self.norm_mlp = (n1.weight, n1.eps), (n2.weight, n2.eps)
+
+
+class CudaDecoderStack:
+    """Callable as `DecoderLayers.fast`: (h, residual, positions) -> (h, residual), or None for a
+    step of more than one token."""
+
+    def __init__(self, layers: list[_Layer]) -> None:
+        self.layers = layers
+        self.taken = 0  # steps run (eager calls and graph captures; the tests read it)
+
+    @staticmethod
+    def _gemv(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor, int, int], out_cols: int,
+              **fused) -> torch.Tensor:
+        out = torch.empty(1, out_cols, dtype=x.dtype, device=x.device)
+        codes, scales, nblk, n = w
+        if not cuda_gemv.gemv(x, codes, scales, out, n, nblk, **fused):
+            raise RuntimeError("the one-row CUDA GEMV refused a call cuda_stack.build accepted")
+        return out
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if h.shape[0] != 1 or h.dtype != torch.bfloat16 or residual is not None:
+            return None
+        g = self._gemv
+        self.taken += 1
+        for i, L in enumerate(self.layers):  # h [1, H]: the residual stream, normed in the GEMVs
+            qkv = g(h, L.qkv, L.qkv[3], norm=L.norm_in)
+            o = L.attn.attend_qkv(qkv, positions).contiguous()  # [1, Hq D]
+            h1 = g(o, L.o, L.o[3], res=h)
+            a = g(h1, L.gate_up, L.gate_up[3] // 2, norm=L.norm_mlp, act=L.act)  # [1, I]
+            if i + 1 == len(self.layers):  # the model's final norm adds (d, h1) itself
+                return g(a, L.down, L.down[3]), h1
+            h = g(a, L.down, L.down[3], res=h1)
+        return None  # no layers
+
+
+def build(layers: nn.ModuleList, device: torch.device) -> CudaDecoderStack | None:
+    """The stack for these decoder layers, or None where some layer does not fit (module doc)."""
+    from flatserve.model.llama import LlamaDecoderLayer
+
+    if not ENABLED or device.type != "cuda" or not len(layers) or not cuda_gemv.prepare(device):
+        return None
+    out = []
+    for layer in layers:
+        if type(layer) is not LlamaDecoderLayer or not isinstance(layer.mlp, GatedMLP) \
+                or layer.residual_multiplier != 1.0 or layer.mlp.act_name not in _ACTS:
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(n.offset or n.weight.dtype != torch.bfloat16 for n in norms):
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        lins = [_weights(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(w is None for w in lins) or not all(cuda_gemv.fused(w[3], w[2]) for w in (lins[0], lins[2])):
+            return None
+        out.append(_Layer(layer, lins))
+    return CudaDecoderStack(out)
