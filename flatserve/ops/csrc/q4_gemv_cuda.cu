@@ -90,6 +90,7 @@ __device__ __forceinline__ u16 f2bf(float f) {  // fp32 -> bf16, round to neares
   return h;
 }
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float((u32)h << 16); }
 __device__ __forceinline__ float bf_round(float f) { return bf2f(f2bf(f)); }
 
@@ -98,7 +99,6 @@ __device__ __forceinline__ float bf_round(float f) { return bf2f(f2bf(f)); }
 __device__ __forceinline__ u16 out_value(float sum, const u16* res, int row) {
   return res ? f2bf(bf_round(sum) + bf2f(ldx16(res + row))) : f2bf(sum);
 }
-__device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 
 __device__ __forceinline__ U4 ldg(const U4* p) { return ldg128(p); }
 __device__ __forceinline__ u32 ldg(const u32* p) { return ldg32(p); }
