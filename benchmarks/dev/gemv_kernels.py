@@ -1,9 +1,11 @@
 """The one-row q4_0 GEMV's kernels (flatserve/model/cuda_gemv.py) per Llama-3-8B linear: the
 default choice, then the FMA kernel at 1, 2 and 4 rows a warp and the tensor-core kernel at 2
 and 4 steps a load group; device us a call in a CUDA graph with the weights rotated over 2x the
-L2; floor = weight bytes / the copy rate measured here.
+L2; floor = weight bytes / the copy rate measured here. With --fused: the default against the
+form flatserve/model/cuda_stack.py launches (q|k|v and the LM head with the RMSNorm inside,
+gate|up with the norm and act(gate) * up, o and down with the residual add).
 
-    PYTHONPATH=. python3 benchmarks/dev/gemv_kernels.py [--rounds 2]
+    PYTHONPATH=. python3 benchmarks/dev/gemv_kernels.py [--rounds 2] [--fused]
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fused", action="store_true", help="the decoder stack's forms against the default")
     args = ap.parse_args()
     fmt, dev = FORMATS["q4_0"], torch.device("cuda")
     assert cuda_gemv.prepare(dev)
@@ -45,7 +48,17 @@ def main() -> None:
         x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
         out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
         res: dict = {}
-        for _ in range(args.rounds):
+        if args.fused:
+            codes, scales, nblk = zip(*[qp._views(p, fmt) for p in ps])
+            w, r = torch.ones(k, dtype=torch.bfloat16, device=dev), torch.randn_like(out)
+            form = {"qkv": {"norm": (w, 1e-5)}, "head": {"norm": (w, 1e-5)}, "o": {"res": r}, "down": {"res": r},
+                    "gate_up": {"norm": (w, 1e-5), "act": "silu"}}[name]
+            y = out[:, :n // 2] if "act" in form else out
+            for _ in range(args.rounds):
+                res.setdefault("default", []).append(graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps]))
+                res.setdefault("+".join(form), []).append(graph_us(
+                    [lambda i=i: cuda_gemv.gemv(x, codes[i], scales[i], y, n, nblk[i], **form) for i in range(len(ps))]))
+        for _ in range(args.rounds if not args.fused else 0):
             for st in SETTINGS:
                 for a, v in {**BASE, **st}.items():
                     setattr(cuda_gemv, a, v)
