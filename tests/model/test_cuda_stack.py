@@ -73,7 +73,7 @@ def test_stack_is_as_close_to_fp32_as_the_python_layers(family: str, tmp_path, m
     assert w_ours <= 2 * w_layers + 0.02
     assert g_ours <= max(NEAR_TIE, 2 * g_layers)
     # and closer to the layers than either is to fp32 (H200, 2026-11-29, four calls: 0.05-0.075
-    # against 0.17-0.48, a ratio of 0.10-0.36; a norm weight left out moves whole tenths)
+    # against 0.17-0.48, a ratio of 0.10-0.36)
     assert _against(ours, layers)[0] <= 0.6 * w_layers + 0.03
 
 
