@@ -48,23 +48,27 @@ def main() -> None:
         x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
         out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
         res: dict = {}
+        plain = [lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps]  # the default path, one call a copy
         if args.fused:
             codes, scales, nblk = zip(*[qp._views(p, fmt) for p in ps])
             w, r = torch.ones(k, dtype=torch.bfloat16, device=dev), torch.randn_like(out)
-            form = {"qkv": {"norm": (w, 1e-5)}, "head": {"norm": (w, 1e-5)}, "o": {"res": r}, "down": {"res": r},
-                    "gate_up": {"norm": (w, 1e-5), "act": "silu"}}[name]
+            form = {"qkv": {"norm": (w, 1e-5)}, "head": {"norm": (w, 1e-5)}, "o": {"res": r},
+                    "down": {"res": r}, "gate_up": {"norm": (w, 1e-5), "act": "silu"}}[name]
             y = out[:, :n // 2] if "act" in form else out
+            fused = [lambda i=i: cuda_gemv.gemv(x, codes[i], scales[i], y, n, nblk[i], **form)
+                     for i in range(len(ps))]
             for _ in range(args.rounds):
-                res.setdefault("default", []).append(graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps]))
-                res.setdefault("+".join(form), []).append(graph_us(
-                    [lambda i=i: cuda_gemv.gemv(x, codes[i], scales[i], y, n, nblk[i], **form) for i in range(len(ps))]))
-        for _ in range(args.rounds if not args.fused else 0):
-            for st in SETTINGS:
-                for a, v in {**BASE, **st}.items():
-                    setattr(cuda_gemv, a, v)
-                key = cuda_gemv.choose(n, k // 32, dev)[0]
-                label = {0: "default ", 1: "before "}.get(SETTINGS.index(st), "") + "/".join(map(str, key))
-                res.setdefault(label, []).append(graph_us([lambda p=p: qp.qgemm(x, p, fmt, out) for p in ps]))
+                res.setdefault("default", []).append(graph_us(plain))
+                res.setdefault("+".join(form), []).append(graph_us(fused))
+        else:
+            for _ in range(args.rounds):
+                for st in SETTINGS:
+                    for a, v in {**BASE, **st}.items():
+                        setattr(cuda_gemv, a, v)
+                    key = cuda_gemv.choose(n, k // 32, dev)[0]
+                    label = ({0: "default ", 1: "before "}.get(SETTINGS.index(st), "")
+                             + "/".join(map(str, key)))
+                    res.setdefault(label, []).append(graph_us(plain))
         for a, v in BASE.items():
             setattr(cuda_gemv, a, v)
         print(f"{name:8s} floor {nbytes / bw * 1e6:6.1f} us  "

@@ -28,7 +28,8 @@ def _weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Te
     return quant_planar.repack(raw.to(DEV), FMT), dequantize(raw, FMT, k).double()
 
 
-def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
+           scale: float = 1.0, rel: float = 0.0) -> None:
     """Products d (q - 8) x are exact in fp32 (an fp16 scale times a bf16 x times a 4-bit integer),
     so only the fp32 sums round: a lane sums 8 products a step, scales by d and adds into its
     accumulator over nblk / 8 steps, then 5 shuffle levels: at most nblk / 8 + 16 roundings on the
@@ -36,18 +37,19 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Te
     (half an ulp: 2^-8 relative). With `scales` (fp16 [N, nblk]: the tensor-core kernel ran), each
     block's sum C = sum (128 + q) x (two mma's, fp32) less 136 sum(x) cancels: |C| <= 143
     sum |x| and 136 sum(x) carries 33 roundings of sum |x|, so each block adds at most
-    |d| (2^-21 143 + 2^-24 136 33) sum |x| < 2^-11 |d| sum |x| more."""
+    |d| (2^-21 143 + 2^-24 136 33) sum |x| < 2^-11 |d| sum |x| more. With `scale` (q4_ks_norm's
+    1 / rms): the sums scaled, the scale itself off by at most `rel` of its value."""
     xd = x.double().cpu().reshape(-1)
-    ref = w @ xd
+    ref = scale * (w @ xd)
     nblk = x.shape[-1] // 32
     # the row-sequential kernels: 31 roundings in a lane's block sum, nblk / 32 steps, 5 levels
     # (q4_ks: 31 + 1 in a lane, 5 lane levels, 3 warps)
-    acc = max(nblk / 8 + 16, 40 + nblk / 32) * 2.0 ** -24 * (w.abs() @ xd.abs())
+    acc = scale * max(nblk / 8 + 16, 40 + nblk / 32) * 2.0 ** -24 * (w.abs() @ xd.abs())
     if scales is not None:
         acc = acc + 2.0 ** -11 * (scales.double().abs().cpu() @ xd.abs().reshape(nblk, 32).sum(1))
     err = (got.double().cpu().reshape(-1) - ref).abs()
     assert torch.isfinite(got).all()
-    bound = (ref.abs() + acc) * 2.0 ** -8 + acc
+    bound = (ref.abs() + acc) * (2.0 ** -8 + rel) + acc + ref.abs() * rel
     assert (err <= bound).all(), (err - bound).max()
 
 
@@ -105,15 +107,9 @@ def test_ks_norm_matches_float64_reference(ready, n: int, k: int) -> None:
     codes, scales, nblk = quant_planar._views(p, FMT)
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(h, codes, scales, out, n, nblk, norm=(nw, eps))
-    xw = (h.float() * nw.float()).bfloat16().double().cpu().reshape(-1)
+    xw = (h.float() * nw.float()).bfloat16()
     r = 1 / (h.double().pow(2).mean() + eps).sqrt().item()
-    ref = r * (w @ xw)
-    acc = r * max(nblk / 8 + 16, 40 + nblk / 32) * 2.0 ** -24 * (w.abs() @ xw.abs())  # as _check
-    rel = k * 2.0 ** -24 + 2.0 ** -21  # the scale
-    got = out.double().cpu().reshape(-1)
-    assert torch.isfinite(got).all()
-    bound = (ref.abs() + acc) * (2.0 ** -8 + rel) + acc + ref.abs() * rel
-    assert ((got - ref).abs() <= bound).all(), ((got - ref).abs() - bound).max()
+    _check(out, xw, w, scale=r, rel=k * 2.0 ** -24 + 2.0 ** -21)
 
 
 # Gate|up with the norm in and act(gate) * up out: the same bits as q4_ks_norm's gate and up
