@@ -2,8 +2,9 @@
 default choice, then the FMA kernel at 1, 2 and 4 rows a warp and the tensor-core kernel at 2
 and 4 steps a load group; device us a call in a CUDA graph with the weights rotated over 2x the
 L2; floor = weight bytes / the copy rate measured here. With --fused: the default against the
-form flatserve/model/cuda_stack.py launches (q|k|v and the LM head with the RMSNorm inside,
-gate|up with the norm and act(gate) * up, o and down with the residual add).
+forms flatserve/model/cuda_stack.py launches (q|k|v and the LM head with the RMSNorm inside,
+gate|up with the norm and act(gate) * up, o and down with the residual add; o and down handing
+the norm on with norm_out, q|k|v and gate|up taking it prenormed).
 
     PYTHONPATH=. python3 benchmarks/dev/gemv_kernels.py [--rounds 2] [--fused]
 """
@@ -52,14 +53,21 @@ def main() -> None:
         if args.fused:
             codes, scales, nblk = zip(*[qp._views(p, fmt) for p in ps])
             w, r = torch.ones(k, dtype=torch.bfloat16, device=dev), torch.randn_like(out)
-            form = {"qkv": {"norm": (w, 1e-5)}, "head": {"norm": (w, 1e-5)}, "o": {"res": r},
-                    "down": {"res": r}, "gate_up": {"norm": (w, 1e-5), "act": "silu"}}[name]
-            y = out[:, :n // 2] if "act" in form else out
-            fused = [lambda i=i: cuda_gemv.gemv(x, codes[i], scales[i], y, n, nblk[i], **form)
-                     for i in range(len(ps))]
+            nw, hw = torch.ones(n, dtype=torch.bfloat16, device=dev), torch.empty_like(out)
+            mine = torch.zeros(max(1, cuda_gemv.handoff_parts(n, dev)), device=dev)  # norm_out's
+            given = torch.ones(cuda_gemv.handoff_parts(k, dev), device=dev)  # prenormed's: o's or down's
+            pre = {"prenormed": (given, 1e-5)}
+            forms = {"qkv": [{"norm": (w, 1e-5)}, pre], "head": [{"norm": (w, 1e-5)}],
+                     "o": [{"res": r}, {"res": r, "norm_out": (nw, hw, mine)}],
+                     "down": [{"res": r}, {"res": r, "norm_out": (nw, hw, mine)}],
+                     "gate_up": [{"norm": (w, 1e-5), "act": "silu"}, {**pre, "act": "silu"}]}[name]
             for _ in range(args.rounds):
                 res.setdefault("default", []).append(graph_us(plain))
-                res.setdefault("+".join(form), []).append(graph_us(fused))
+                for form in forms:
+                    y = out[:, :n // 2] if "act" in form else out
+                    fused = [lambda i=i, y=y, form=form: cuda_gemv.gemv(x, codes[i], scales[i], y, n, nblk[i],
+                                                                        **form) for i in range(len(ps))]
+                    res.setdefault("+".join(form), []).append(graph_us(fused))
         else:
             for _ in range(args.rounds):
                 for st in SETTINGS:

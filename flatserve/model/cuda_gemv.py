@@ -150,7 +150,11 @@ class _Api:
                           (("mma", 2), "q4_mma_rp2_u2"), (("mma", 4), "q4_mma_rp2_u4"),
                           (("ks", 8), "q4_ks_rt8"),
                           (("ks_norm", 8), "q4_ks_norm_rt8"), (("ks_norm_silu", 8), "q4_ks_norm_silu_rt8"),
-                          (("ks_norm_gelu_pytorch_tanh", 8), "q4_ks_norm_gelu_rt8")):
+                          (("ks_norm_gelu_pytorch_tanh", 8), "q4_ks_norm_gelu_rt8"),
+                          ((1, "nout"), "q4_gemv_r1_u2_nout"), ((2, "nout"), "q4_gemv_r2_u2_nout"),
+                          ((4, "nout"), "q4_gemv_r4_u2_nout"), (("ks_scaled", 8), "q4_ks_scaled_rt8"),
+                          (("ks_scaled_silu", 8), "q4_ks_scaled_silu_rt8"),
+                          (("ks_scaled_gelu_pytorch_tanh", 8), "q4_ks_scaled_gelu_rt8")):
             f = ctypes.c_void_p()
             self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()),
                        "cuModuleGetFunction")
@@ -253,16 +257,27 @@ def fused(n: int, nblk: int) -> bool:
     return _API is not None and nblk <= 128
 
 
+def handoff_parts(n: int, device: torch.device) -> int:
+    """The partial sums a `norm_out` GEMV of n rows writes (one a CTA of the FMA kernel), or 0
+    where n does not split evenly into its CTAs (then cuda_stack keeps the norm forms)."""
+    rows = 4 * fma_rows(n, device)
+    return n // rows if n % rows == 0 else 0
+
+
 def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, n: int,
          nblk: int, res: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-         act: str | None = None) -> bool:
+         act: str | None = None, norm_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+         prenormed: tuple[torch.Tensor, float] | None = None) -> bool:
     """out [1, n] = x [1, K] @ W^T for planar q4_0 `codes` / `scales` (quant_planar._views);
     -> False (nothing launched) where the kernel does not apply: not prepared for this device,
     x or out not bf16, x not 16-byte aligned. The fused forms (model/cuda_stack.py): `res` [1, n]
     bf16 is added to the output (rounded as the linear then the add); `norm` (weight [K] bf16,
     eps): x is the residual stream and the output is W @ rmsnorm(x) (q4_ks only: `fused`);
-    `act` with `norm` ("silu", "gelu_pytorch_tanh"): the weight is gate | up and out [1, n / 2]
-    = act(gate) * up."""
+    `act` with `norm` or `prenormed` ("silu", "gelu_pytorch_tanh"): the weight is gate | up and
+    out [1, n / 2] = act(gate) * up. The hand-off between two GEMVs: `norm_out` (nw [n] bf16, hw
+    [1, n] bf16, part [handoff_parts(n)] fp32; the FMA kernel) also stores hw = bf16(out * nw)
+    and the CTAs' sums of out^2; `prenormed` (that part, eps) on the next GEMV (q4_ks: `fused`),
+    given x = hw, is then W @ rmsnorm(out) with norm weight nw, as `norm` on out would be."""
     if _API is None or x.device.type != "cuda":
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -270,11 +285,21 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
     if funcs is None or x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 \
             or x.data_ptr() % 16 or codes.data_ptr() % 16:
         return False
-    if norm is not None:
-        assert fused(n, nblk) and res is None and norm[0].dtype == torch.bfloat16 and not (act and n % 2)
-        key = ("ks_norm" + (f"_{act}" if act else ""), 8)
+    nparts = 0
+    if norm is not None or prenormed is not None:
+        assert fused(n, nblk) and res is None and not (act and n % 2) and (norm is None or prenormed is None)
+        assert norm is None or norm[0].dtype == torch.bfloat16
+        key = ("ks_" + ("norm" if norm else "scaled") + (f"_{act}" if act else ""), 8)
         grid = -(-(n // 2 if act else n) // (4 if act else 8))
         smem = 0
+        if prenormed is not None:
+            nparts = prenormed[0].numel()
+            norm = (None, prenormed[1])
+    elif norm_out is not None:
+        assert act is None and norm_out[2].dtype == torch.float32
+        r = fma_rows(n, x.device)
+        assert n % (4 * r) == 0 and norm_out[2].numel() == n // (4 * r), (n, r, norm_out[2].shape)
+        key, grid, smem = (r, "nout"), n // (4 * r), 0
     else:
         assert act is None
         key, grid, smem = choose(n, nblk, x.device)
@@ -282,8 +307,10 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
     pdl = programmatic_launch(x.device)
     ptr = (lambda t: ctypes.c_void_p(0 if t is None else t.data_ptr()))
     args = [ptr(x), ptr(codes), ptr(scales), ptr(out), ctypes.c_int(n), ctypes.c_int(nblk),
-            ctypes.c_int(_MAGIC), ctypes.c_int(int(pdl)), ptr(res), ptr(None if norm is None else norm[0]),
-            ctypes.c_float(0.0 if norm is None else norm[1])]
+            ctypes.c_int(_MAGIC), ctypes.c_int(int(pdl)), ptr(res),
+            ptr(norm_out[0] if norm_out else None if norm is None else norm[0]),
+            ctypes.c_float(0.0 if norm is None else norm[1]), ptr(norm_out[1] if norm_out else None),
+            ptr(norm_out[2] if norm_out else prenormed[0] if prenormed else None), ctypes.c_int(nparts)]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     attr = _LaunchAttr(id=_PDL_ATTR, value=1)  # passed only with PDL

@@ -1,16 +1,20 @@
 """A one-token CUDA decode step of a Llama-shaped q4_0 model with the small kernels folded into
 its GEMVs (`ops/csrc/q4_gemv_cuda.cu`): a layer is
 
-    q|k|v = W_qkv rmsnorm(h)            q4_ks_norm: the RMSNorm inside the GEMV
+    q|k|v = W_qkv rmsnorm(h)            q4_ks_scaled: x = bf16(h * nw) from down, 1 / rms at the end
     rope + KV write, attention          the layer's own kernels (Attention.attend_qkv)
-    h1 = h + W_o o                      the residual add in the GEMV's store
-    a = act(gate) * up, gate|up = W rmsnorm(h1)   q4_ks_norm_silu: norm in, activation out
-    h2 = h1 + W_down a                  the residual add again
+    h1 = h + W_o o                      the residual add in the GEMV's store, and the hand-off:
+                                        bf16(h1 * nw) and the CTAs' sums of h1^2 (norm_out)
+    a = act(gate) * up, gate|up = W rmsnorm(h1)   q4_ks_scaled_silu: norm in, activation out
+    h2 = h1 + W_down a                  the residual add and the next layer's hand-off
 
-7 launches (8 with the split-KV merge) where the Python layers make 10: the two fused add +
-RMSNorm kernels and act_and_mul are gone. Why: at one token each small kernel is a few
-microseconds of latency that no weight bytes move under (docs/performance-gpu.md), ~190 of them
-a Llama-3-8B forward.
+(layer 0's q|k|v normalizes the embedding itself: q4_ks_norm.) 7 launches (8 with the split-KV
+merge) where the Python layers make 10: the two fused add + RMSNorm kernels and act_and_mul are
+gone. Why: at one token each small kernel is a few microseconds of latency that no weight bytes
+move under (docs/performance-gpu.md), ~190 of them a Llama-3-8B forward. The hand-off does the
+norm's elementwise half once per row in o's and down's stores instead of in each of the next
+GEMV's CTAs (H200 b1 forward 2.105-2.109 against 2.116-2.126 ms; per call q|k|v 7.0 against
+7.5 us, gate|up 22.7 against 24.8).
 
 The bits differ from the layers' (within bf16 rounding: the norm's 1 / rms scales the GEMV's sum
 instead of rounding rmsnorm(h) to bf16 first; tests/model/test_cuda_stack.py compares the two).
@@ -32,6 +36,9 @@ from flatserve.model.layers import GatedMLP
 from flatserve.model.quant import QuantLinear
 
 ENABLED = os.environ.get("FLATSERVE_CUDA_STACK", "1") != "0"
+# o and down hand the next RMSNorm's elementwise half to the GEMV after them ("0": q|k|v and
+# gate|up normalize h themselves, the A/B)
+HANDOFF = os.environ.get("FLATSERVE_CUDA_STACK_HANDOFF", "1") != "0"
 _ACTS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -58,8 +65,9 @@ class CudaDecoderStack:
     """Callable as `DecoderLayers.fast`: (h, residual, positions) -> (h, residual), or None for a
     step of more than one token."""
 
-    def __init__(self, layers: list[_Layer]) -> None:
+    def __init__(self, layers: list[_Layer], parts: int) -> None:
         self.layers = layers
+        self.parts = parts  # o's and down's partial sums of h^2 (cuda_gemv.handoff_parts), 0: no hand-off
         self.taken = 0  # steps run (eager calls and graph captures; the tests read it)
 
     @staticmethod
@@ -71,20 +79,40 @@ class CudaDecoderStack:
             raise RuntimeError("the one-row CUDA GEMV refused a call cuda_stack.build accepted")
         return out
 
+    def _handoff(self, x: torch.Tensor, w: tuple, res: torch.Tensor, norm: tuple[torch.Tensor, float]
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, float]]]:
+        """h = res + W x, and what the next GEMV takes for rmsnorm(h) with `norm`: x = bf16(h * nw)
+        and `prenormed` (the partial sums of h^2, eps)."""
+        hw = torch.empty(1, w[3], dtype=x.dtype, device=x.device)
+        part = torch.empty(self.parts, dtype=torch.float32, device=x.device)
+        h = self._gemv(x, w, w[3], res=res, norm_out=(norm[0], hw, part))
+        return h, (hw, {"prenormed": (part, norm[1])})
+
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if h.shape[0] != 1 or h.dtype != torch.bfloat16 or residual is not None:
             return None
         g = self._gemv
         self.taken += 1
-        for i, L in enumerate(self.layers):  # h [1, H]: the residual stream, normed in the GEMVs
-            qkv = g(h, L.qkv, L.qkv[3], norm=L.norm_in)
+        # The normed input of the next GEMV: (x, its kwargs). Layer 0's q|k|v normalizes h itself;
+        # after that, o and down hand the norm's elementwise half on (cuda_gemv's norm_out).
+        normed = (h, {"norm": self.layers[0].norm_in})
+        for i, L in enumerate(self.layers):  # h [1, H]: the residual stream
+            qkv = g(normed[0], L.qkv, L.qkv[3], **normed[1])
             o = L.attn.attend_qkv(qkv, positions).contiguous()  # [1, Hq D]
-            h1 = g(o, L.o, L.o[3], res=h)
-            a = g(h1, L.gate_up, L.gate_up[3] // 2, norm=L.norm_mlp, act=L.act)  # [1, I]
+            if self.parts:
+                h1, normed = self._handoff(o, L.o, h, L.norm_mlp)
+            else:
+                h1 = g(o, L.o, L.o[3], res=h)
+                normed = (h1, {"norm": L.norm_mlp})
+            a = g(normed[0], L.gate_up, L.gate_up[3] // 2, act=L.act, **normed[1])  # [1, I]
             if i + 1 == len(self.layers):  # the model's final norm adds (d, h1) itself
                 return g(a, L.down, L.down[3]), h1
-            h = g(a, L.down, L.down[3], res=h1)
+            if self.parts:
+                h, normed = self._handoff(a, L.down, h1, self.layers[i + 1].norm_in)
+            else:
+                h = g(a, L.down, L.down[3], res=h1)
+                normed = (h, {"norm": self.layers[i + 1].norm_in})
         return None  # no layers
 
 
@@ -107,4 +135,5 @@ def build(layers: nn.ModuleList, device: torch.device) -> CudaDecoderStack | Non
         if any(w is None for w in lins) or not all(cuda_gemv.fused(w[3], w[2]) for w in (lins[0], lins[2])):
             return None
         out.append(_Layer(layer, lins))
-    return CudaDecoderStack(out)
+    parts = cuda_gemv.handoff_parts(out[0].o[3], device) if HANDOFF else 0
+    return CudaDecoderStack(out, parts)

@@ -83,8 +83,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
     through (partial rotary); each part is padded to a power of two (HALF_P, PASS_P) and masked,
     so any even head size runs (Phi-3's 96, half 48; 80, half 40). With STORE, the KV write of
     store_kv as well: each k head's result goes to k_cache at the token's slot, and Hkv more
-    programs copy the v heads (slot < 0: nothing stored)."""
-    pdl.sync(PDL)
+    programs copy the v heads (slot < 0: nothing stored). The position, its cos / sin and the slot
+    are loaded before the PDL wait: metadata and a fixed table, which no kernel of the step writes
+    (unified_attention's rule)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ROT: tl.constexpr = 2 * HALF
@@ -92,9 +93,17 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
     mi = i < HALF
     j = tl.arange(0, PASS_P)
     mj = j < PASS
+    dt = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t)
+    # Table [2, P, ROT] fp32, both halves equal; torch casts it to the model dtype first.
+    cos = _round(tl.load(cs_ptr + pos * ROT + i, mask=mi, other=0.0), dt)
+    sin = _round(tl.load(cs_ptr + table_len * ROT + pos * ROT + i, mask=mi, other=0.0), dt)
     dst = 0  # the cache row of this token's head (STORE)
+    slot = 0
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
+    pdl.sync(PDL)
+    if STORE:
         hk = (h - Hq) % Hkv
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + hk * stride_ch
         if h >= Hq + Hkv:  # a v head: copied as it is
@@ -112,7 +121,6 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
     else:
         base = k_ptr + t * stride_kt + (h - Hq) * stride_kh
         w_ptr = kw_ptr
-    dt = q_ptr.dtype.element_ty
     x1 = tl.load(base + i, mask=mi, other=0.0).to(tl.float32)  # first half of the rotary dims
     x2 = tl.load(base + HALF + i, mask=mi, other=0.0).to(tl.float32)
     if NORM:  # per-head RMSNorm over all ROT + PASS dims
@@ -136,10 +144,6 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
             else:
                 xp = _round(wp * _round(xp * inv, dt), dt)
             tl.store(base + ROT + j, xp.to(dt), mask=mj)
-    pos = tl.load(pos_ptr + t)
-    # Table [2, P, ROT] fp32, both halves equal; torch casts it to the model dtype first.
-    cos = _round(tl.load(cs_ptr + pos * ROT + i, mask=mi, other=0.0), dt)
-    sin = _round(tl.load(cs_ptr + table_len * ROT + pos * ROT + i, mask=mi, other=0.0), dt)
     # x * cos + rotate_half(x) * sin with torch's three roundings per element.
     o1 = _round(x1 * cos, dt) + _round(-x2 * sin, dt)
     o2 = _round(x2 * cos, dt) + _round(x1 * sin, dt)

@@ -160,6 +160,58 @@ def test_residual_add_is_the_gemv_then_the_add(ready, monkeypatch, kernel) -> No
     assert torch.equal(out, plain + res)
 
 
+# The hand-off between two GEMVs of model/cuda_stack.py: the FMA kernel with `norm_out` stores the
+# plain residual GEMV's bits, hw = bf16(h * nw) bit for bit (torch's fp32 product, one rounding)
+# and its CTAs' sums of h^2; q4_ks with `prenormed` on (hw, those sums) is then held to the
+# float64 reference of W rmsnorm(h) exactly as q4_ks_norm is (the sum of h^2 in a different
+# order, the same bound), and with `act` to the same GEMV followed by act_and_mul. Each FMA row
+# count; the producer's rows (the next GEMV's K) of 1, 4 and 4 slices; K of the producer with a
+# tail step (4,192) and of down's 448 blocks.
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("n,k,m", [(32 * 4 * 4, 4192, 1002), (640, 14336, 264), (4096, 4096, 6151)])
+def test_handoff_is_the_norm_split_across_two_gemvs(ready, monkeypatch, rows: int, n: int, k: int,
+                                                     m: int) -> None:
+    from flatserve.ops.triton_ops import act_and_mul
+
+    monkeypatch.setattr(cuda_gemv, "FMA_ROWS", rows)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    p, _ = _weights(n, k, g)
+    q, wq = _weights(m, n, g)
+    codes, scales, nblk = quant_planar._views(p, FMT)
+    x = torch.randn(1, k, generator=g).bfloat16().to(DEV)
+    res = (torch.randn(1, n, generator=g) * 4).bfloat16().to(DEV)
+    nw = (1 + 0.3 * torch.randn(n, generator=g)).bfloat16().to(DEV)
+    plain = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert cuda_gemv.gemv(x, codes, scales, plain, n, nblk, res=res)
+    h, hw = torch.full_like(plain, float("nan")), torch.full_like(plain, float("nan"))
+    part = torch.full((cuda_gemv.handoff_parts(n, DEV),), float("nan"), device=DEV)
+    assert part.numel() == n // (4 * rows)
+    assert cuda_gemv.gemv(x, codes, scales, h, n, nblk, res=res, norm_out=(nw, hw, part))
+    assert torch.equal(h, plain)
+    assert torch.equal(hw, (h.float() * nw.float()).bfloat16())
+    ss = h.double().pow(2).sum().item()
+    assert abs(part.double().sum().item() - ss) <= 2.0 ** -24 * (n // part.numel() + part.numel()) * ss
+    eps = 1e-5
+    qc, qs, qnblk = quant_planar._views(q, FMT)
+    out = torch.full((1, m), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert cuda_gemv.gemv(hw, qc, qs, out, m, qnblk, prenormed=(part, eps))
+    r = 1 / (h.double().pow(2).mean() + eps).sqrt().item()
+    _check(out, hw, wq, scale=r, rel=n * 2.0 ** -24 + 2.0 ** -21)
+    if m % 2 == 0:
+        a = torch.full((1, m // 2), float("nan"), dtype=torch.bfloat16, device=DEV)
+        assert cuda_gemv.gemv(hw, qc, qs, a, m, qnblk, prenormed=(part, eps), act="silu")
+        ref = act_and_mul(out, "silu").float()
+        assert ((a.float() - ref).abs() <= 2.0 ** -6 * ref.abs()).all()
+        assert (a.float() == ref).float().mean() > 0.9
+
+
+def test_handoff_parts_need_whole_ctas() -> None:
+    """o's and down's rows split evenly into the FMA kernel's CTAs, else no hand-off."""
+    for n in (64, 640, 4096, 5120):
+        assert cuda_gemv.handoff_parts(n, DEV) * 4 * cuda_gemv.fma_rows(n, DEV) == n
+    assert cuda_gemv.handoff_parts(4100, DEV) == 0
+
+
 def test_ks_takes_large_weights_of_k_up_to_4096(ready) -> None:
     """From 40 x the SMs rows (where the tensor-core kernel ran before) and K <= 4,096 only."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count

@@ -94,22 +94,26 @@ def _attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, sink
                  TILE: tl.constexpr, SEGMENTS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                  USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, IEEE: tl.constexpr,
                  USE_MAP: tl.constexpr, PDL: tl.constexpr):
-    pdl.sync(PDL)
+    # The batch's metadata (cu_seqlens, seq_lens, the map) is read before the PDL wait: no kernel
+    # of the step writes it (host copies before the first kernel, which is not a PDL launch), so
+    # its loads are off the critical path between the rope kernel and this one.
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
     if USE_MAP:  # host-built q-block -> sequence map (the measured alternative)
         s = tl.load(map_ptr + qb)
         if s < 0:
+            pdl.sync(PDL)
             return
     else:
         s = _find_seq(cu_ptr, qb, num_seqs, BLOCK_Q)
     q_start = tl.load(cu_ptr + s)
     q_len = tl.load(cu_ptr + s + 1) - q_start
     qb_local = qb - (q_start // BLOCK_Q + s)
+    seq_len = tl.load(seq_lens_ptr + s)
+    pdl.sync(PDL)  # every program, the surplus ones too (pdl.py's rule)
     if qb_local * BLOCK_Q >= q_len:
         return  # surplus program of the over-provisioned grid
-    seq_len = tl.load(seq_lens_ptr + s)
     ctx = seq_len - q_len
 
     rows = tl.arange(0, BLOCK_M)

@@ -69,6 +69,11 @@ __device__ __forceinline__ u16 ldx16(const u16* p) {  // as ldx128: a residual a
   asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
+__device__ __forceinline__ float ldxf(const float* p) {  // as ldx128: a partial an earlier kernel wrote
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ u32 ldg32(const u32* p) {
   u32 v;
   asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
@@ -179,10 +184,17 @@ __device__ __forceinline__ void step(const U4 (&xv)[4], const U4* cv, const u16*
 // bf16. magic: the bits of 2^23 (a kernel argument: a constant mask and magic would both be
 // immediates, and LOP3 takes one). Rows past N read row N - 1 and store nothing; blocks past nblk
 // (the last step when nblk % 32 != 0) read x as 0 and the row's last block's codes.
-template <int R, int U>
+// NOUT (cuda_stack.py's hand-off to the next RMSNorm): besides out = h (the residual stream),
+// the kernel stores hw = bf16(h * nw) (nw: the next norm's weight) and part[CTA] = the sum of h^2
+// over the CTA's rows, so the GEMV after it takes hw as its x and only scales its sums by
+// rsqrt(sum(part) / K + eps) (q4_ks's MODE 2): the elementwise half of the norm runs once here,
+// per row, instead of in each of the next GEMV's CTAs. Needs N % (4 R) == 0 (cuda_gemv.gemv).
+template <int R, int U, bool NOUT = false>
 __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
                                      const u16* __restrict__ scales, u16* __restrict__ out, int N,
-                                     int nblk, int magic, int pdl, const u16* res) {
+                                     int nblk, int magic, int pdl, const u16* res,
+                                     const u16* __restrict__ nw = nullptr, u16* __restrict__ hw = nullptr,
+                                     float* __restrict__ part = nullptr) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
   const u32 m0 = (u32)magic, m1 = (u32)magic - 0x2000000u;  // bits of 2^23, 2^19
@@ -200,6 +212,9 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
   // before ends. (Prefetching each warp's whole rows into L2 there instead made a Llama-3-8B
   // q4_0 forward slower on an H100: 3.25 against 3.08-3.15 ms without PDL.)
   if (full) load_weights<R, U, 1, U4, 32>(cp, sp, 0, a.c, a.s);
+  u16 nwv[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) nwv[r] = NOUT ? ldg16(nw + min(row0 + r, N - 1)) : 0;
   if (pdl) pdl_sync();  // every warp, the ones past N too: nothing below runs before the last kernel ends
   if (row0 >= N) return;  // a whole warp past the end: no CTA-wide barrier below
   const U4* xp = reinterpret_cast<const U4*>(x) + lane * 4;  // this lane's block: 4 x 16 bytes
@@ -232,16 +247,34 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
     step<R>(xv, cv, sv, acc, m0, m1);
   }
   warp_sums<R>(acc);
+  if (!NOUT) {
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (lane == 0 && row0 + r < N) out[row0 + r] = out_value(acc[r], res, row0 + r);
+    for (int r = 0; r < R; ++r)
+      if (lane == 0 && row0 + r < N) out[row0 + r] = out_value(acc[r], res, row0 + r);
+    return;
+  }
+  __shared__ float ps[4];
+  float ss = 0.f;
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {  // every row is < N here (N % (4 R) == 0)
+      const u16 h = out_value(acc[r], res, row0 + r);
+      const float f = bf2f(h);
+      out[row0 + r] = h;
+      hw[row0 + r] = f2bf(f * bf2f(nwv[r]));
+      ss = fmaf(f, f, ss);
+    }
+    ps[warp] = ss;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) part[blockIdx.x] = ((ps[0] + ps[1]) + ps[2]) + ps[3];
 }
 
 // Every kernel takes the same arguments (cuda_gemv.gemv): x, codes, scales, out, N, nblk, magic,
 // pdl, then res (added to each output where not null), nw and eps (q4_ks's fused RMSNorm only).
 #define GEMV_ARGS                                                                                  \
   const u16 *x, const U4 *codes, const u16 *scales, u16 *out, int N, int nblk, int magic, int pdl, \
-      const u16 *res, const u16 *nw, float eps
+      const u16 *res, const u16 *nw, float eps, u16 *hw, float *part, int nparts
 
 // 4 warps a CTA; ptxas may use up to 255 registers (1 CTA an SM at the least). sm_90 builds
 // (NVCC 13, -Xptxas -v): r1_u2 90, r2_u2 114, r4_u2 208, mma_u2 124, mma_u4 141 registers.
@@ -252,6 +285,13 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
 GEMV_KERNEL(1, 2)
 GEMV_KERNEL(2, 2)
 GEMV_KERNEL(4, 2)
+#define GEMV_NOUT_KERNEL(R)                                                                          \
+  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u2_nout(GEMV_ARGS) {        \
+    gemv<R, 2, true>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, hw, part);              \
+  }
+GEMV_NOUT_KERNEL(1)
+GEMV_NOUT_KERNEL(2)
+GEMV_NOUT_KERNEL(4)
 
 __device__ __forceinline__ void mma_bf16(float& c0, float& c1, float& c2, float& c3, u32 a0, u32 a1,
                                          u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -438,14 +478,19 @@ __device__ __forceinline__ float norm_in(U4 (&xv)[4], const U4 (&wv)[4]) {
 // of K (nblk <= 32 x its warps), so its lanes' sums of h^2 meet in the shared-memory sum it already
 // does: no extra pass, no extra barrier, and the norm weights load before the PDL wait. (The
 // reference rounds h / rms to bf16 before * nw; here the scale comes after the sum, in fp32.)
+// MODE 2 (the GEMV after a NOUT one, gemv() above): x is already bf16(h * nw), and the CTA sums
+// the NOUT kernel's nparts partials of h^2 (each thread a fixed share, in order) for the scale
+// instead of h^2 over x: the same norm, none of its elementwise work here. MODE 1 is NORM.
 // GLU (with NORM, the gate|up linear): a CTA's first RT / 2 rows are gate rows j.., the rest the
 // up rows N / 2 + j..; it stores act(gate) * up (N / 2 outputs) with the bits of the linear
 // followed by _act_mul_kernel. res: added to each output (the residual add; not with GLU).
-template <int RT, bool NORM, int GLU>
+template <int RT, int MODE, int GLU>
 __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
                                         const u16* __restrict__ scales, u16* __restrict__ out,
                                         int N, int nblk, int magic, int pdl, const u16* res,
-                                        const u16* __restrict__ nw, float eps) {
+                                        const u16* __restrict__ nw, float eps, const float* part,
+                                        int nparts) {
+  constexpr bool NORM = MODE == 1;
   constexpr int OUT = GLU ? RT / 2 : RT;  // outputs a CTA
   __shared__ float red[4][RT], ssq[4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -483,8 +528,11 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
     const U4* q = reinterpret_cast<const U4*>(x) + (size_t)kb * 4;
     xv[0] = ldx128(q), xv[1] = ldx128(q + 1), xv[2] = ldx128(q + 2), xv[3] = ldx128(q + 3);
   }
-  if (NORM) {
-    float ss = norm_in(xv, wv);
+  if (MODE) {
+    float ss = 0.f;
+    if (NORM) ss = norm_in(xv, wv);
+    else
+      for (int i = threadIdx.x; i < nparts; i += 128) ss += ldxf(part + i);
 #pragma unroll
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) ssq[warp] = ss;
@@ -501,7 +549,7 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
   const int t = threadIdx.x;
   if (t >= OUT || row0 + t >= nout) return;
   const float sum = ((red[0][t] + red[1][t]) + red[2][t]) + red[3][t];  // the warps' sums in order
-  const float scale = NORM ? rsqrtf((((ssq[0] + ssq[1]) + ssq[2]) + ssq[3]) / (float)(nblk * 32) + eps) : 1.f;
+  const float scale = MODE ? rsqrtf((((ssq[0] + ssq[1]) + ssq[2]) + ssq[3]) / (float)(nblk * 32) + eps) : 1.f;
   if (GLU) {
     const float up = ((red[0][t + OUT] + red[1][t + OUT]) + red[2][t + OUT]) + red[3][t + OUT];
     const float g = bf_round(sum * scale), u = bf_round(up * scale);
@@ -511,11 +559,14 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
   }
 }
 
-#define KS_KERNEL(NAME, RT, NORM, GLU)                                                              \
+#define KS_KERNEL(NAME, RT, MODE, GLU)                                                              \
   extern "C" __global__ void __launch_bounds__(128) NAME(GEMV_ARGS) {                              \
-    ks_gemv<RT, NORM, GLU>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, eps);          \
+    ks_gemv<RT, MODE, GLU>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, eps, part, nparts); \
   }
-KS_KERNEL(q4_ks_rt8, 8, false, 0)
-KS_KERNEL(q4_ks_norm_rt8, 8, true, 0)
-KS_KERNEL(q4_ks_norm_silu_rt8, 8, true, 1)
-KS_KERNEL(q4_ks_norm_gelu_rt8, 8, true, 2)
+KS_KERNEL(q4_ks_rt8, 8, 0, 0)
+KS_KERNEL(q4_ks_norm_rt8, 8, 1, 0)
+KS_KERNEL(q4_ks_norm_silu_rt8, 8, 1, 1)
+KS_KERNEL(q4_ks_norm_gelu_rt8, 8, 1, 2)
+KS_KERNEL(q4_ks_scaled_rt8, 8, 2, 0)
+KS_KERNEL(q4_ks_scaled_silu_rt8, 8, 2, 1)
+KS_KERNEL(q4_ks_scaled_gelu_rt8, 8, 2, 2)
