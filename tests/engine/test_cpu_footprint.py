@@ -75,6 +75,8 @@ def test_tokenizer_keeps_no_python_vocab_and_encodes_the_same(default_model_path
     tok, ref = load_tokenizer(src, None), AutoTokenizer.from_pretrained(**src.hf_kwargs)
     assert len(getattr(ref, "_vocab", ())) == 262144  # what the drop is for: still there upstream
     assert not hasattr(tok, "_vocab") and not hasattr(tok, "_merges")
+    assert len(ref.init_kwargs["added_tokens_decoder"]) > 6000 and "added_tokens_decoder" not in tok.init_kwargs
+    assert tok.added_tokens_decoder == ref.added_tokens_decoder  # read from the Rust tokenizer
     texts = ["The capital of France is", "  spaces\tand\nnewlines  ", "<start_of_turn>user\nHi",
              "naïve café 東京 🙂", "def f(x):\n    return x**2"]
     for t in texts:
