@@ -10,7 +10,10 @@ then let the next kernel launch (`gdc_launch_dependents`). The CUDA C++ GEMV
 
 The rule that keeps this safe: every PDL kernel waits, in every program, before its first write
 and before reading any tensor an earlier kernel may write (so a kernel never finishes before the
-one it follows, and the waits chain). Only static tensors (weights) are read before the wait.
+one it follows, and the waits chain). Only tensors no PDL kernel writes are read before the wait:
+weights, and the step's metadata (positions, slots, cu_seqlens, seq_lens), written by copies or
+ordinary launches, which a PDL launch never overtakes (it starts once the ordinary kernel before
+it has ended, and the embedding before the first PDL kernel of a step is one).
 In CUDA C++, a tensor an earlier kernel writes is read with coherent loads, never ld.global.nc:
 ptxas treats .nc data as fixed for the kernel's life and may move such loads above the wait
 (it did in one build of q4_ks, 2026-11-29; tests/model/test_gemv_pdl_sass.py checks the SASS).
