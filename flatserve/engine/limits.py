@@ -40,7 +40,11 @@ CPU_TOKENS_EMULATED_BF16 = 512
 # 161.3 / 155.5 at 0.88. Long prompts lose up to ~10%: four 2,000-token prompts
 # (`benchmarks/dev/cpu_prompt_chunks.py T`, alternated, two sittings) 1,006 / 987 / 987 / 1,066
 # prompt tok/s at 2,048, 992 / 885 / 965 at 1,024, 1,004 / 1,014 / 920 / 943 at 512. With AMX
-# (tiles) 2,048 stays: not re-measured.
+# (tiles) 2,048 stays: not re-measured. Again on a 2-core Zen 4 after the tokenizer's 39 MB
+# (9a838dc, 2026-11-29; alternated, each against llama-server in the same run; raw
+# docs/benchmarks/raw/cpu_zen4_step_tokens_1024_vs_512_9a838dc/): 1,024 -> 187.9 / 177.2 out
+# tok/s (1.93x / 1.99x) at 0.86-0.87 GiB, 512 -> 180.1 / 177.8 (1.85x / 1.94x) at 0.85, with
+# llama-server at 0.79 GiB: within the noise, and 1,024 at the RSS bar. 512 stays.
 CPU_TOKENS_NO_AMX = 512
 # (device memory at least, sequences, batched tokens): the GPU tiers. 60 GiB covers the
 # H100/H200/A100-80G class; 20 GiB the 24-48 GiB cards (L4, A10, RTX 4090, L40S).
