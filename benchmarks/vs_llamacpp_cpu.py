@@ -93,7 +93,7 @@ def run_engine(engine: str, rnd: int, a: argparse.Namespace, gguf: str, out: Pat
                    f"http://127.0.0.1:{port}", "--model", os.path.basename(gguf), "--dataset", "random",
                    "--num-prompts", str(n), "--input-len", str(a.input_len), "--max-tokens",
                    str(a.max_tokens), "--concurrency", c, "--ignore-eos", "--server-pid", str(proc.pid),
-                   "--out", str(out), "--label", label, "--no-progress"]
+                   "--out", str(out), "--label", label, "--no-progress", "--no-plots"]
             if engine == "llama-server":
                 cmd += ["--extra-body", '{"cache_prompt": false}']
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)

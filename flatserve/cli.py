@@ -175,7 +175,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     name = f"{a.label or a.model}-{a.dataset}".replace("/", "_")
     (out / f"{name}.json").write_text(json.dumps(res, indent=1))
     (out / f"{name}.md").write_text(markdown(res) + "\n")
-    plots.plot_runs([res], out / name)
+    if not a.no_plots:
+        plots.plot_runs([res], out / name)
     print(markdown(res))
     return 0
 
@@ -204,6 +205,8 @@ def _add_bench(sub: Any) -> None:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-plots", action="store_true",
+                   help="only the .json and .md (`flatserve bench plot RUN.json` draws them later)")
     bs.choices["cliff"].add_argument("--lengths", default="3000,500,10")
     pl = bs.add_parser("plot")
     pl.add_argument("runs", nargs="+")

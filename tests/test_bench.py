@@ -96,6 +96,13 @@ def test_cli_bench_serve_and_cliff(live, tmp_path) -> None:
     saved = json.loads((tmp_path / "fs-chat.json").read_text())
     assert [s["success"] for s in saved["levels"]] == [2, 2]
     assert (tmp_path / "fs-chat" / "throughput.png").stat().st_size > 1000
+    r = subprocess.run([sys.executable, "-m", "flatserve.cli", "bench", "serve", "--base-url", url,
+                        "--model", MODEL, "--dataset", "chat", "--num-prompts", "1", "--input-len", "60",
+                        "--max-tokens", "4", "--concurrency", "1", "--out", str(tmp_path / "np"),
+                        "--no-progress", "--no-plots", "--label", "fs"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert (tmp_path / "np" / "fs-chat.json").exists() and not (tmp_path / "np" / "fs-chat").exists()
     r = subprocess.run([sys.executable, "-m", "flatserve.cli", "bench", "cliff", "--base-url", url,
                         "--model", MODEL, "--lengths", "300,50,10", "--max-tokens", "8", "--server-pid",
                         str(pid), "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
