@@ -79,10 +79,14 @@ class CudaDecoderStack:
             raise RuntimeError("the one-row CUDA GEMV refused a call cuda_stack.build accepted")
         return out
 
-    def _handoff(self, x: torch.Tensor, w: tuple, res: torch.Tensor, norm: tuple[torch.Tensor, float]
-                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, float]]]:
-        """h = res + W x, and what the next GEMV takes for rmsnorm(h) with `norm`: x = bf16(h * nw)
-        and `prenormed` (the partial sums of h^2, eps)."""
+    def _residual(self, x: torch.Tensor, w: tuple, res: torch.Tensor, norm: tuple[torch.Tensor, float]
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, dict]]:
+        """h = res + W x, and the next GEMV's input for rmsnorm(h) with `norm`: (x, its kwargs). With
+        the hand-off x = bf16(h * nw) and `prenormed` (the partial sums of h^2, eps), else h itself
+        with `norm`."""
+        if not self.parts:
+            h = self._gemv(x, w, w[3], res=res)
+            return h, (h, {"norm": norm})
         hw = torch.empty(1, w[3], dtype=x.dtype, device=x.device)
         part = torch.empty(self.parts, dtype=torch.float32, device=x.device)
         h = self._gemv(x, w, w[3], res=res, norm_out=(norm[0], hw, part))
@@ -95,25 +99,17 @@ class CudaDecoderStack:
         g = self._gemv
         self.taken += 1
         # The normed input of the next GEMV: (x, its kwargs). Layer 0's q|k|v normalizes h itself;
-        # after that, o and down hand the norm's elementwise half on (cuda_gemv's norm_out).
+        # after that, o and down hand the norm's elementwise half on where self.parts (norm_out).
         normed = (h, {"norm": self.layers[0].norm_in})
         for i, L in enumerate(self.layers):  # h [1, H]: the residual stream
             qkv = g(normed[0], L.qkv, L.qkv[3], **normed[1])
             o = L.attn.attend_qkv(qkv, positions).contiguous()  # [1, Hq D]
-            if self.parts:
-                h1, normed = self._handoff(o, L.o, h, L.norm_mlp)
-            else:
-                h1 = g(o, L.o, L.o[3], res=h)
-                normed = (h1, {"norm": L.norm_mlp})
+            h1, normed = self._residual(o, L.o, h, L.norm_mlp)
             a = g(normed[0], L.gate_up, L.gate_up[3] // 2, act=L.act, **normed[1])  # [1, I]
             if i + 1 == len(self.layers):  # the model's final norm adds (d, h1) itself
                 return g(a, L.down, L.down[3]), h1
-            if self.parts:
-                h, normed = self._handoff(a, L.down, h1, self.layers[i + 1].norm_in)
-            else:
-                h = g(a, L.down, L.down[3], res=h1)
-                normed = (h, {"norm": self.layers[i + 1].norm_in})
-        return None  # no layers
+            h, normed = self._residual(a, L.down, h1, self.layers[i + 1].norm_in)
+        return None  # no layers (build returns no stack for those)
 
 
 def build(layers: nn.ModuleList, device: torch.device) -> CudaDecoderStack | None:

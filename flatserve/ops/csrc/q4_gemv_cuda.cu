@@ -271,7 +271,9 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
 }
 
 // Every kernel takes the same arguments (cuda_gemv.gemv): x, codes, scales, out, N, nblk, magic,
-// pdl, then res (added to each output where not null), nw and eps (q4_ks's fused RMSNorm only).
+// pdl, then res (added to each output where not null); nw (q4_ks NORM's norm weight, or the next
+// norm's for NOUT) and eps (q4_ks MODE 1 and 2); hw and part (NOUT's outputs; part is MODE 2's
+// input, nparts long).
 #define GEMV_ARGS                                                                                  \
   const u16 *x, const U4 *codes, const u16 *scales, u16 *out, int N, int nblk, int magic, int pdl, \
       const u16 *res, const u16 *nw, float eps, u16 *hw, float *part, int nparts
@@ -481,7 +483,7 @@ __device__ __forceinline__ float norm_in(U4 (&xv)[4], const U4 (&wv)[4]) {
 // MODE 2 (the GEMV after a NOUT one, gemv() above): x is already bf16(h * nw), and the CTA sums
 // the NOUT kernel's nparts partials of h^2 (each thread a fixed share, in order) for the scale
 // instead of h^2 over x: the same norm, none of its elementwise work here. MODE 1 is NORM.
-// GLU (with NORM, the gate|up linear): a CTA's first RT / 2 rows are gate rows j.., the rest the
+// GLU (with MODE 1 or 2, the gate|up linear): a CTA's first RT / 2 rows are gate rows j.., the rest the
 // up rows N / 2 + j..; it stores act(gate) * up (N / 2 outputs) with the bits of the linear
 // followed by _act_mul_kernel. res: added to each output (the residual add; not with GLU).
 template <int RT, int MODE, int GLU>
