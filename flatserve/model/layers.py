@@ -341,18 +341,22 @@ class Attention(nn.Module):
         meta = current_metadata()
         assert self.backend is not None and self.kv_cache is not None, "runner binds the KV pool"
         stored = self.stores_kv  # the fused rope writes k and v, the backend only attends
+        extra = () if self.sinks is None else (self.sinks,)
         if self.fused is not None:  # in place on the q/k views of the qkv output
             n = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, bool(self.q_norm.offset)) \
                 if self.qk_norm else (None, None, 0.0, False)
-            self.fused(q, k, self.rotary.index(positions, meta),
-                       self.rotary.table(meta.max_seq_len + 1), *n,
-                       **({"store": (v, *self.kv_cache, meta.slot_mapping)} if stored else {}))
+            rope = (self.rotary.index(positions, meta), self.rotary.table(meta.max_seq_len + 1), *n)
+            if stored and getattr(self.backend, "decode_fits", None) \
+                    and self.backend.decode_fits(meta, self.d, self.rotary.dim, self.hkv):
+                # decode: the rope, KV write and attention in one launch (Triton)
+                o = self.backend.decode_rope(q, k, v, *self.kv_cache, meta, self.params, rope, *extra)
+                return o.reshape(T, self.hq * self.d)
+            self.fused(q, k, *rope, **({"store": (v, *self.kv_cache, meta.slot_mapping)} if stored else {}))
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.rotary is not None:
                 q, k = self.rotary(self.rotary.index(positions, meta), q, k, meta.max_seq_len)
-        extra = () if self.sinks is None else (self.sinks,)
         if stored:
             o = self.backend.attend(q, *self.kv_cache, meta, self.params, *extra)  # [T, Hq, D]
         else:

@@ -36,11 +36,10 @@ def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr, kc_ptr, vc_ptr,
-          scale, softcap, window, stride_cb, stride_cs, stride_ch, stride_bt,
-          BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-          USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr):
-    """One KV tile of online softmax. MASK=False: every key is visible to every row."""
+def _kv_tile(j, s, kvh, seq_len, d, d_ok, bt_ptr, kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch,
+             stride_bt, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MASK: tl.constexpr):
+    """KV tile j of sequence s, head kvh: (key indices n [TILE], K^T [HEAD_P, TILE],
+    V [TILE, HEAD_P]). MASK=False: the tile lies wholly below seq_len."""
     n = j * TILE + tl.arange(0, TILE)
     n_ok = n < seq_len
     if MASK:
@@ -56,6 +55,14 @@ def _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr, kc_p
     else:
         kt = tl.load(kc_ptr + off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
         v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    return n, kt, v
+
+
+@triton.jit
+def _online(n, kt, v, q, M, L, acc, q_pos, row_ok, seq_len, scale, softcap, window,
+            USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+            MASK: tl.constexpr):
+    """One KV tile of online softmax. MASK=False: every key is visible to every row."""
     # Scores live in log2 units (x log2 e) so the softmax uses exp2, one multiply fewer per score.
     if IEEE:
         sc = tl.dot(q, kt, input_precision="ieee")
@@ -66,7 +73,7 @@ def _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr, kc_p
     else:
         sc = sc * (scale * 1.4426950408889634)
     if MASK:
-        ok = (n[None, :] <= q_pos[:, None]) & n_ok[None, :] & row_ok[:, None]
+        ok = (n[None, :] <= q_pos[:, None]) & (n < seq_len)[None, :] & row_ok[:, None]
         if USE_WINDOW:
             ok = ok & (n[None, :] > q_pos[:, None] - window)
         sc = tl.where(ok, sc, float("-inf"))
@@ -82,6 +89,18 @@ def _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr, kc_p
     else:
         acc += tl.dot(p.to(v.dtype), v)
     return m_new, L, acc
+
+
+@triton.jit
+def _tile(j, q, M, L, acc, s, kvh, q_pos, row_ok, seq_len, d, d_ok, bt_ptr, kc_ptr, vc_ptr,
+          scale, softcap, window, stride_cb, stride_cs, stride_ch, stride_bt,
+          BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+          USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr):
+    """One KV tile of online softmax: the load, then the update."""
+    n, kt, v = _kv_tile(j, s, kvh, seq_len, d, d_ok, bt_ptr, kc_ptr, vc_ptr, stride_cb, stride_cs,
+                        stride_ch, stride_bt, BLOCK_SIZE, TILE, MASK)
+    return _online(n, kt, v, q, M, L, acc, q_pos, row_ok, seq_len, scale, softcap, window,
+                   USE_SOFTCAP, USE_WINDOW, IEEE, MASK)
 
 
 @triton.jit
