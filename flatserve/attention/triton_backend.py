@@ -12,8 +12,8 @@ class TritonAttentionBackend:
 
     def __init__(self) -> None:
         # Imported here, not at module top: `import flatserve` never needs Triton.
-        from flatserve.attention.kernels.store_kv import store_kv
         from flatserve.attention.kernels import decode_attention as da
+        from flatserve.attention.kernels.store_kv import store_kv
         from flatserve.attention.kernels.unified_attention import unified_attention
 
         self._store, self._attend = store_kv, unified_attention

@@ -110,10 +110,10 @@ def _decode_attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, q_ptr, k_pt
                         stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
                         NUM_QPK: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr,
                         HEAD_P: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-                        QPK_P: tl.constexpr, HALF: tl.constexpr, SEGMENTS: tl.constexpr, NORM: tl.constexpr,
-                        OFFSET: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-                        USE_SINKS: tl.constexpr, IEEE: tl.constexpr, FUSE_MERGE: tl.constexpr,
-                        PDL: tl.constexpr):
+                        QPK_P: tl.constexpr, HALF: tl.constexpr, SEGMENTS: tl.constexpr,
+                        NORM: tl.constexpr, OFFSET: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                        USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, IEEE: tl.constexpr,
+                        FUSE_MERGE: tl.constexpr, PDL: tl.constexpr):
     s = tl.program_id(0)  # the sequence, and its one token
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
