@@ -72,6 +72,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool,
 
 
 @triton.jit
+def _head_norm(x, inv, w, dt: tl.constexpr, OFFSET: tl.constexpr):
+    """A q/k head's RMSNorm given 1 / rms: Gemma's x * inv * (1 + w) in fp32 with one rounding,
+    else torch's w * round(x * inv), each product rounded to dt."""
+    if OFFSET:
+        return _round(x * inv * (1.0 + w), dt)
+    return _round(w * _round(x * inv, dt), dt)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, table_len, Hq, eps,
                          v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh,
@@ -131,18 +140,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
         inv = tl.rsqrt(ss / (ROT + PASS) + eps)
         w1 = tl.load(w_ptr + i, mask=mi, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + i, mask=mi, other=0.0).to(tl.float32)
-        if OFFSET:
-            x1 = _round(x1 * inv * (1.0 + w1), dt)
-            x2 = _round(x2 * inv * (1.0 + w2), dt)
-        else:
-            x1 = _round(w1 * _round(x1 * inv, dt), dt)
-            x2 = _round(w2 * _round(x2 * inv, dt), dt)
+        x1 = _head_norm(x1, inv, w1, dt, OFFSET)
+        x2 = _head_norm(x2, inv, w2, dt, OFFSET)
         if PASS > 0:
             wp = tl.load(w_ptr + ROT + j, mask=mj, other=0.0).to(tl.float32)
-            if OFFSET:
-                xp = _round(xp * inv * (1.0 + wp), dt)
-            else:
-                xp = _round(wp * _round(xp * inv, dt), dt)
+            xp = _head_norm(xp, inv, wp, dt, OFFSET)
             tl.store(base + ROT + j, xp.to(dt), mask=mj)
     # x * cos + rotate_half(x) * sin with torch's three roundings per element.
     o1 = _round(x1 * cos, dt) + _round(-x2 * sin, dt)

@@ -36,7 +36,7 @@ from flatserve.attention.kernels.unified_attention import (
     _kv_tile, _merge_kernel, _online, choose_segments, tile_config)
 from flatserve.attention.metadata import AttentionMetadata
 from flatserve.ops import pdl
-from flatserve.ops.triton_ops import _round, rope_fits
+from flatserve.ops.triton_ops import _head_norm, _round, rope_fits
 
 # Off by default until the CUDA suite has run with it on: on an H200 (2026-11-29) it took the b1
 # q4_0 Llama-3-8B forward from 2.07-2.12 to 1.99-2.04 ms and a 16-row one from 7.18 to 6.98 ms,
@@ -70,12 +70,8 @@ def _rope(x, xr, d, d_ok, partner, sign, cos, sin, w_ptr, eps, dt: tl.constexpr,
         inv = tl.rsqrt(tl.sum(x * x, 1) / HEAD + eps)[:, None]
         w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         wr = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        if OFFSET:
-            x = _round(x * inv * (1.0 + w), dt)
-            xr = _round(xr * inv * (1.0 + wr), dt)
-        else:
-            x = _round(w * _round(x * inv, dt), dt)
-            xr = _round(wr * _round(xr * inv, dt), dt)
+        x = _head_norm(x, inv, w, dt, OFFSET)
+        xr = _head_norm(xr, inv, wr, dt, OFFSET)
     # x * cos + rotate_half(x) * sin: dim i < ROT/2 takes -x[i + ROT/2], the upper half +x[i - ROT/2]
     y = _round(_round(x * cos[None, :], dt) + _round(sign[None, :] * xr * sin[None, :], dt), dt)
     return tl.where((d < ROT)[None, :], y, x)
