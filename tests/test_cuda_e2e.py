@@ -106,7 +106,7 @@ def test_speculative_verify_on_triton_is_exact(tmp_path) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3-longrope", "gemma2"])
 def test_fused_decode_attention_in_the_engine(family, tmp_path, monkeypatch) -> None:
-    """The opt-in fused decode attention (FLATSERVE_DECODE_ATTN_FUSED=1) through the whole engine,
+    """The fused decode attention (the default; FLATSERVE_DECODE_ATTN_FUSED=0: off) through the engine,
     CUDA graphs on: fp32 greedy runs with it on and off give the same tokens and their top-5
     logprobs agree to 1e-3, where they part only at a near tie of the reference (the two sum in
     another order). q/k norm (Qwen3), norm offset and sliding windows (Gemma 3), LongRoPE's

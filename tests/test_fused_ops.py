@@ -138,6 +138,9 @@ def test_qk_norm_rope(impl, dtype, head_dim, hq, hkv, norm, offset, rot_dim) -> 
                  1e-6, bool(offset))
     _close(q, rq, dtype)
     _close(k, rk, dtype)
+    if not norm and ops.__name__.endswith("triton_ops"):  # torch's three roundings, bit for bit:
+        # FP fusion on, the fp16 products and sum contracted into fma.rn.f16 and this failed
+        assert torch.equal(q, rq) and torch.equal(k, rk)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

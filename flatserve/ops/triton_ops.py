@@ -146,7 +146,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
             wp = tl.load(w_ptr + ROT + j, mask=mj, other=0.0).to(tl.float32)
             xp = _head_norm(xp, inv, wp, dt, OFFSET)
             tl.store(base + ROT + j, xp.to(dt), mask=mj)
-    # x * cos + rotate_half(x) * sin with torch's three roundings per element.
+    # x * cos + rotate_half(x) * sin with torch's three roundings per element. The launch turns
+    # FP fusion off: with it, LLVM shrank these fp16 ops and contracted them into 4 fma.rn.f16
+    # (one rounding for two; PTX for sm_90, Triton 3.9), so fp16 and fp32 keys were not torch's.
     o1 = _round(x1 * cos, dt) + _round(-x2 * sin, dt)
     o2 = _round(x2 * cos, dt) + _round(x1 * sin, dt)
     tl.store(base + i, _round(o1, dt).to(dt), mask=mi)
@@ -202,7 +204,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         *((kc.stride(0), kc.stride(1), kc.stride(2)) if store is not None else (0, 0, 0)), Hkv,
         NORM=norm, OFFSET=offset, HALF=half, HALF_P=triton.next_power_of_2(half), PASS=rest,
         PASS_P=triton.next_power_of_2(max(rest, 1)), STORE=store is not None,
-        BLOCK_SIZE=kc.shape[1] if store is not None else 1, num_warps=1, **pdl.launch(q.device, T))
+        BLOCK_SIZE=kc.shape[1] if store is not None else 1, num_warps=1, enable_fp_fusion=False,
+        **pdl.launch(q.device, T))
 
 
 @triton.jit

@@ -20,8 +20,8 @@ The arithmetic is `unified_attention`'s (`_kv_tile`, `_online`; the merge as `_m
 and the rope's roundings are `qk_norm_rope`'s: the key written is the same bits, the output the
 same up to the order of fp32 sums (tests/attention/test_decode_attention.py).
 
-Off by default (`ENABLED`, FLATSERVE_DECODE_ATTN_FUSED=1 turns it on): measured faster on an
-H200, not yet through the whole CUDA suite (docs/performance-gpu.md).
+On by default where it fits (`ENABLED`; FLATSERVE_DECODE_ATTN_FUSED=0 keeps the three kernels):
+faster on an H200 at batch 1 and 16 (docs/performance-gpu.md).
 """
 from __future__ import annotations
 
@@ -38,11 +38,9 @@ from flatserve.attention.metadata import AttentionMetadata
 from flatserve.ops import pdl
 from flatserve.ops.triton_ops import _head_norm, _round, rope_fits
 
-# Off by default until the CUDA suite has run with it on: on an H200 (2026-11-29) it took the b1
-# q4_0 Llama-3-8B forward from 2.07-2.12 to 1.99-2.04 ms and a 16-row one from 7.18 to 6.98 ms,
-# but the one suite run with it on (tests/attention, test_cuda_stack, test_cuda_gemv,
-# test_cuda_e2e, test_fused_ops) was cut off with one failure not yet read. "1": on.
-ENABLED = os.environ.get("FLATSERVE_DECODE_ATTN_FUSED", "0") == "1"
+# On an H200 (2026-11-29) it took the b1 q4_0 Llama-3-8B forward from 2.07-2.12 to 1.99-2.04 ms
+# and a 16-row one from 7.18 to 6.98 ms. "0": the three kernels (rope + KV write, attention, merge).
+ENABLED = os.environ.get("FLATSERVE_DECODE_ATTN_FUSED", "1") != "0"
 IN_MERGE = os.environ.get("FLATSERVE_DECODE_ATTN_MERGE", "1") != "0"  # "0": the merge kernel after
 CFG = os.environ.get("FLATSERVE_DECODE_ATTN_CFG", "")  # "warps,stages" (sweeps)
 # Programs that can merge in-kernel: (sequence, KV head) pairs of a split step. A split needs
@@ -266,6 +264,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     # One pipeline stage: 2 stages doubled the program's shared memory (36 KB), and an H200 b1
     # q4_0 forward then ran 2.18-2.21 ms against 1.99-2.00 with 1 (2.07-2.12 unfused): the
     # programs must find room beside the GEMV before them to start early (PDL) and preload.
+    # FP fusion off, as for qk_norm_rope: fp16 rope math contracted into 17 fma.rn.f16 (PTX for
+    # sm_90, Triton 3.9), so the cached keys were not the rope kernel's (a CUDA test found it).
     warps, stages = (int(x) for x in CFG.split(",")) if CFG else (warps, 1)
     norm = q_w is not None
     launch = pdl.launch(q.device, S)
@@ -282,7 +282,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         SEGMENTS=segments, NORM=norm, OFFSET=offset, USE_SOFTCAP=p.softcap is not None,
         USE_WINDOW=p.sliding_window is not None, USE_SINKS=sinks is not None,
         IEEE=q.dtype == torch.float32, FUSE_MERGE=IN_MERGE, num_warps=warps,
-        num_stages=stages, **launch)
+        num_stages=stages, enable_fp_fusion=False, **launch)
     if segments > 1 and not IN_MERGE:
         _merge_kernel[(S, Hq)](out, part_acc, part_ml, out.stride(0), out.stride(1), Hq,
                                HEAD=D, HEAD_P=hp, SEGMENTS=segments, **launch)
