@@ -23,8 +23,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 OLD = {"KS": False}
 SETTINGS = [{}, OLD, {**OLD, "MMA": False, "FMA_ROWS": 1}, {**OLD, "MMA": False, "FMA_ROWS": 2},
             {**OLD, "MMA": False, "FMA_ROWS": 4}, {**OLD, "STEPS": 2}, {**OLD, "STEPS": 4}] + \
-    [{"KS_ALL": True}]
-BASE = {"MMA": True, "FMA_ROWS": None, "STEPS": None, "KS": True, "KS_ALL": False}
+    [{"KS_ALL": True}, {"KS_ALL": True, "H2": ""}]
+BASE = {"MMA": True, "FMA_ROWS": None, "STEPS": None, "KS": True, "KS_ALL": False, "H2": "_h2"}
 
 
 def main() -> None:
@@ -67,7 +67,10 @@ def main() -> None:
                     y = out[:, :n // 2] if "act" in form else out
                     fused = [lambda i=i, y=y, form=form: cuda_gemv.gemv(x, codes[i], scales[i], y, n, nblk[i],
                                                                         **form) for i in range(len(ps))]
-                    res.setdefault("+".join(form), []).append(graph_us(fused))
+                    for h2 in ("_h2", ""):  # q4_ks's packed-fp16 products, then its fp32 ones
+                        cuda_gemv.H2 = h2
+                        res.setdefault("+".join(form) + ("" if h2 else " fp32"), []).append(graph_us(fused))
+                    cuda_gemv.H2 = BASE["H2"]
         else:
             for _ in range(args.rounds):
                 for st in SETTINGS:
@@ -75,10 +78,21 @@ def main() -> None:
                         setattr(cuda_gemv, a, v)
                     key = cuda_gemv.choose(n, k // 32, dev)[0]
                     label = ({0: "default ", 1: "before "}.get(SETTINGS.index(st), "")
-                             + "/".join(map(str, key)))
+                             + "/".join(map(str, key)) + (" fp32" if st.get("H2") == "" else ""))
                     res.setdefault(label, []).append(graph_us(plain))
         for a, v in BASE.items():
             setattr(cuda_gemv, a, v)
+        if not args.fused and k <= 4096:  # q4_ks's packed-fp16 products against its fp32 ones
+            cuda_gemv.KS_ALL, cuda_gemv.H2 = True, ""
+            plain[0]()
+            ref = out.clone()
+            cuda_gemv.H2 = "_h2"
+            plain[0]()
+            d = (out.float() - ref.float()).abs()
+            print(f"  {name}: fp16 products against fp32: bf16 outputs differing {(d > 0).float().mean().item():.3f}"
+                  f", max |d| / max |out| {d.max().item() / ref.float().abs().max().item():.2e}", flush=True)
+            for a, v in BASE.items():
+                setattr(cuda_gemv, a, v)
         print(f"{name:8s} floor {nbytes / bw * 1e6:6.1f} us  "
               + "  ".join(f"{key}: {min(v):6.1f}" for key, v in res.items()), flush=True)
 

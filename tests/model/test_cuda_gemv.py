@@ -29,7 +29,7 @@ def _weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Te
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
-           scale: float = 1.0, rel: float = 0.0) -> None:
+           scale: float = 1.0, rel: float = 0.0, h2: bool = False) -> None:
     """Products d (q - 8) x are exact in fp32 (an fp16 scale times a bf16 x times a 4-bit integer),
     so only the fp32 sums round: a lane sums 8 products a step, scales by d and adds into its
     accumulator over nblk / 8 steps, then 5 shuffle levels: at most nblk / 8 + 16 roundings on the
@@ -38,7 +38,12 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Te
     block's sum C = sum (128 + q) x (two mma's, fp32) less 136 sum(x) cancels: |C| <= 143
     sum |x| and 136 sum(x) carries 33 roundings of sum |x|, so each block adds at most
     |d| (2^-21 143 + 2^-24 136 33) sum |x| < 2^-11 |d| sum |x| more. With `scale` (q4_ks_norm's
-    1 / rms): the sums scaled, the scale itself off by at most `rel` of its value."""
+    1 / rms): the sums scaled, the scale itself off by at most `rel` of its value. With `h2`
+    (q4_ks's packed-fp16 products): x's block scaled by 2^e (max |x| 2^e in [2^10, 2^11)), each
+    of 8 HFMA2 into an fp16 sum rounds by at most 2^-11 of that sum, so a block's sum is within
+    2^-8 of its sum |term|; an fp16 subnormal rounds by 2^-25 absolute (x 2^e's tiny values, a
+    sum near 0): at most 64 such a block, each 2^-25 8 2^-e |d| <= 2^-32 max |x| |d| once scaled
+    back (|d| <= max |w| of a block with a nonzero term; a block of zero terms sums exactly)."""
     xd = x.double().cpu().reshape(-1)
     ref = scale * (w @ xd)
     nblk = x.shape[-1] // 32
@@ -47,6 +52,10 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Te
     acc = scale * max(nblk / 8 + 16, 40 + nblk / 32) * 2.0 ** -24 * (w.abs() @ xd.abs())
     if scales is not None:
         acc = acc + 2.0 ** -11 * (scales.double().abs().cpu() @ xd.abs().reshape(nblk, 32).sum(1))
+    if h2:
+        xmax = xd.abs().reshape(nblk, 32).amax(1)
+        wmax = w.abs().reshape(w.shape[0], nblk, 32).amax(2)
+        acc = acc + scale * (2.0 ** -8 * (w.abs() @ xd.abs()) + 2.0 ** -26 * (wmax @ xmax))
     err = (got.double().cpu().reshape(-1) - ref).abs()
     assert torch.isfinite(got).all()
     bound = (ref.abs() + acc) * (2.0 ** -8 + rel) + acc + ref.abs() * rel
@@ -57,6 +66,12 @@ def mma_scales(p: torch.Tensor) -> torch.Tensor | None:
     """The scales _check needs where gemv takes the tensor-core kernel for weights `p`."""
     _, scales, nblk = quant_planar._views(p, FMT)
     return scales if cuda_gemv.choose(p.shape[0], nblk, p.device)[0][0] == "mma" else None
+
+
+def ks_h2(p: torch.Tensor) -> bool:
+    """Whether gemv takes q4_ks with its packed-fp16 products for weights `p` (_check's `h2`)."""
+    _, _, nblk = quant_planar._views(p, FMT)
+    return cuda_gemv.choose(p.shape[0], nblk, p.device)[0][0] == "ks" and bool(cuda_gemv.H2)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +101,31 @@ def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, kern
 
 # q4_ks (K <= 4,096; 8 rows a CTA): row tails; K of one block, of a partial slice (640: 20
 # blocks), of 3 slices and a part (4,000: 125 blocks), of 4 (4,096).
+# h2: the packed-fp16 products (the default), "": the fp32 ones.
+@pytest.mark.parametrize("h2", ["_h2", ""])
 @pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1001, 4000), (6151, 4096), (131, 4096)])
-def test_ks_matches_float64_reference(ready, monkeypatch, n: int, k: int) -> None:
+def test_ks_matches_float64_reference(ready, monkeypatch, n: int, k: int, h2: str) -> None:
     monkeypatch.setattr(cuda_gemv, "KS_ALL", True)
+    monkeypatch.setattr(cuda_gemv, "H2", h2)
     _gemv_against_reference(n, k, ("ks", 8))
+
+
+def test_ks_fp16_products_keep_huge_and_tiny_activations(ready, monkeypatch) -> None:
+    """The packed-fp16 products on a residual stream fp16 cannot hold (|x| up to 2^20: each
+    block's x is scaled by a power of two first) and on blocks of values near bf16's smallest
+    normal, next to ordinary blocks: finite, and within _check's bound."""
+    monkeypatch.setattr(cuda_gemv, "KS_ALL", True)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    n, k = 1001, 4096
+    p, w = _weights(n, k, g)
+    x = torch.randn(1, k, generator=g)
+    x.view(-1, 32)[::3] *= 2.0 ** 20  # massive activations, a third of the blocks
+    x.view(-1, 32)[1::3] *= 2.0 ** -120
+    x = x.bfloat16().to(DEV)
+    codes, scales, nblk = quant_planar._views(p, FMT)
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
+    _check(out, x, w, h2=True)
 
 
 # The fused forms of model/cuda_stack.py. q4_ks with the RMSNorm inside: x is the residual stream
@@ -97,8 +133,10 @@ def test_ks_matches_float64_reference(ready, monkeypatch, n: int, k: int) -> Non
 # (that product of two bf16 is exact in fp32 and rounds as the kernel's cvt.rn) plus the scale's
 # own error: h^2 summed in fp32 (k terms: k 2^-24 of the sum, half of it in rsqrt) and rsqrtf
 # (2 ulp). K of one block, of a partial slice, of 4 slices; row tails.
+@pytest.mark.parametrize("h2", ["_h2", ""])
 @pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1001, 4000), (6151, 4096)])
-def test_ks_norm_matches_float64_reference(ready, n: int, k: int) -> None:
+def test_ks_norm_matches_float64_reference(ready, monkeypatch, n: int, k: int, h2: str) -> None:
+    monkeypatch.setattr(cuda_gemv, "H2", h2)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     p, w = _weights(n, k, g)
     h = (torch.randn(1, k, generator=g) * 3).bfloat16().to(DEV)
@@ -109,7 +147,7 @@ def test_ks_norm_matches_float64_reference(ready, n: int, k: int) -> None:
     assert cuda_gemv.gemv(h, codes, scales, out, n, nblk, norm=(nw, eps))
     xw = (h.float() * nw.float()).bfloat16()
     r = 1 / (h.double().pow(2).mean() + eps).sqrt().item()
-    _check(out, xw, w, scale=r, rel=k * 2.0 ** -24 + 2.0 ** -21)
+    _check(out, xw, w, scale=r, rel=k * 2.0 ** -24 + 2.0 ** -21, h2=bool(h2))
 
 
 # Gate|up with the norm in and act(gate) * up out: the same bits as q4_ks_norm's gate and up
@@ -196,7 +234,7 @@ def test_handoff_is_the_norm_split_across_two_gemvs(ready, monkeypatch, rows: in
     out = torch.full((1, m), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(hw, qc, qs, out, m, qnblk, prenormed=(part, eps))
     r = 1 / (h.double().pow(2).mean() + eps).sqrt().item()
-    _check(out, hw, wq, scale=r, rel=n * 2.0 ** -24 + 2.0 ** -21)
+    _check(out, hw, wq, scale=r, rel=n * 2.0 ** -24 + 2.0 ** -21, h2=bool(cuda_gemv.H2))
     if m % 2 == 0:
         a = torch.full((1, m // 2), float("nan"), dtype=torch.bfloat16, device=DEV)
         assert cuda_gemv.gemv(hw, qc, qs, a, m, qnblk, prenormed=(part, eps), act="silu")
@@ -232,7 +270,7 @@ def _gemv_against_reference(n: int, k: int, want: tuple | None) -> None:
         assert key == want, key
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
-    _check(out, x, w, scales if key[0] == "mma" else None)
+    _check(out, x, w, scales if key[0] == "mma" else None, h2=key[0] == "ks" and bool(cuda_gemv.H2))
     via = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     quant_planar.qgemm(x, p, FMT, via)
     assert torch.equal(via, out)
@@ -281,7 +319,7 @@ def test_gemv_in_a_cuda_graph_replays_with_new_activations(ready) -> None:
         eager = torch.empty_like(out)
         quant_planar.qgemm(x, p, FMT, eager)
         assert torch.equal(out, eager)
-        _check(out, x, w, mma_scales(p))
+        _check(out, x, w, mma_scales(p), h2=ks_h2(p))
 
 
 def test_unaligned_or_disabled_falls_back_to_triton(ready, monkeypatch) -> None:
@@ -355,4 +393,4 @@ def test_gemv_on_a_second_gpu_uses_that_devices_kernels(ready) -> None:
             out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev1)
             assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
             torch.cuda.synchronize(dev1)
-            _check(out, x, w, mma_scales(p))
+            _check(out, x, w, mma_scales(p), h2=ks_h2(p))

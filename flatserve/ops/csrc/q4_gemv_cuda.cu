@@ -449,6 +449,77 @@ __device__ __forceinline__ float row_sums(float (&v)[RT], int lane) {
   return v[0];
 }
 
+// H2 (the default for q4_ks; FLATSERVE_GEMV_H2=0 keeps the fp32 products): the products in packed
+// fp16 on the CUDA cores, two values an instruction. A code word's nibbles s and s + 4 (values
+// 4s + w and 4s + w + 16 of the block, w the word) land in the two halves' mantissas of 1024 by
+// one LOP3 each (s = 0, 1; the word >> 8 for s = 2, 3), one HFMA2 makes (q - 8) / 8 of them
+// (exact), one more adds x * that into an fp16 pair of sums: 13 instructions for 8 weights where
+// step() takes ~26 (SASS of q4_ks_rt8: 840 against 1,136 a thread). x's block is scaled by a
+// power of two into [2^10, 2^11) at its largest |value| and packed into the same value pairs once a
+// lane (x_pairs), so no fp16 sum can overflow (8 products of at most 2^11) whatever the residual
+// stream holds; the two halves of two sums (words 0-1, 2-3: 8 products each) meet in fp32 with
+// the scale, 8 and the power of two taken back. Each HFMA2 rounds to fp16 (2^-11 of the partial
+// sum), so a block's sum is within 2^-8 of its sum |term| (tests/model/test_cuda_gemv.py's bound);
+// measured against the fp32 products, ~17% of the bf16 outputs differ, by at most ~3e-3 of the
+// largest output. On an H200, before the prescale, a call took q|k|v 5.2 against 6.5 us, gate|up
+// 17.1 against 21.6, the LM head 66.4 against 85.5: the read floor (benchmarks/dev/gemv_kernels.py;
+// raw docs/benchmarks/raw/gpu_h200_q4_0_gemv_h2/). The b1 forward: 1.74 ms then, 1.85 with the
+// prescale, 2.04 with the fp32 products. The prescale's max is a chain of 32 dependent FMNMX.
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 f2h2(float lo, float hi) {  // -> fp16 pair {lo, hi}
+  u32 d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ float h2sum(u32 v) {  // fp16 pair -> lo + hi in fp32
+  return h2f((u16)(v & 0xffffu)) + h2f((u16)(v >> 16));
+}
+__device__ __forceinline__ float xval(const U4 (&xv)[4], int j) {  // value j of a lane's 32 bf16
+  const U4 c = xv[j / 8];
+  const u32 w = (j % 8) / 2 == 0 ? c.x : (j % 8) / 2 == 1 ? c.y : (j % 8) / 2 == 2 ? c.z : c.w;
+  return j % 2 ? bf_hi(w) : bf_lo(w);
+}
+// xh[4 i + w] = {x[w + 4 i], x[w + 4 i + 16]} * 2^e: the values nibble pair i of code word w holds,
+// 2^e putting the block's largest |x| in [2^10, 2^11) (1 for a block of zeros); -> 8 / 2^e.
+__device__ __forceinline__ float x_pairs(const U4 (&xv)[4], u32 (&xh)[16]) {
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) m = fmaxf(m, fabsf(xval(xv, j)));
+  const int ex = (int)(__float_as_uint(m) >> 23);  // m >= 0: its biased exponent (255: inf / nan)
+  const int e = ex ? min(137 - ex, 126) : 0;  // 2^(ex - 127 + e) = 2^10 (126: 2^e a float)
+  const float up = __uint_as_float((u32)(127 + e) << 23);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+      xh[4 * i + w] = f2h2(xval(xv, w + 4 * i) * up, xval(xv, w + 4 * i + 16) * up);
+  return __uint_as_float((u32)(127 - e + 3) << 23);
+}
+// One row's block: 4 code words c, fp16 scale s -> its 32 products summed and scaled (k: x_pairs').
+__device__ __forceinline__ float step_h2(const u32 (&xh)[16], const U4& c, u16 s, u32 hm, float k) {
+  const u32 w[4] = {c.x, c.y, c.z, c.w};
+  u32 a[2] = {0u, 0u};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const u32 v = w[k], t = w[k] >> 8;
+    // (1024 + q) / 8 - 129 and (1024 + 16 q) / 128 - 9: both (q - 8) / 8, exact in fp16
+    const u32 q0 = hfma2((v & 0x000F000Fu) | hm, 0x30003000u, 0xD808D808u);
+    const u32 q1 = hfma2((v & 0x00F000F0u) | hm, 0x20002000u, 0xC880C880u);
+    const u32 q2 = hfma2((t & 0x000F000Fu) | hm, 0x30003000u, 0xD808D808u);
+    const u32 q3 = hfma2((t & 0x00F000F0u) | hm, 0x20002000u, 0xC880C880u);
+    u32& acc = a[k / 2];
+    acc = hfma2(xh[k], q0, acc);
+    acc = hfma2(xh[4 + k], q1, acc);
+    acc = hfma2(xh[8 + k], q2, acc);
+    acc = hfma2(xh[12 + k], q3, acc);
+  }
+  return (k * h2f(s)) * (h2sum(a[0]) + h2sum(a[1]));
+}
+
 // act(g) of a gated MLP, as triton_ops._act_mul_kernel: 1 SiLU, 2 GELU (tanh approximation).
 template <int GLU>
 __device__ __forceinline__ float act(float g) {
@@ -486,7 +557,7 @@ __device__ __forceinline__ float norm_in(U4 (&xv)[4], const U4 (&wv)[4]) {
 // GLU (with MODE 1 or 2, the gate|up linear): a CTA's first RT / 2 rows are gate rows j.., the rest the
 // up rows N / 2 + j..; it stores act(gate) * up (N / 2 outputs) with the bits of the linear
 // followed by _act_mul_kernel. res: added to each output (the residual add; not with GLU).
-template <int RT, int MODE, int GLU>
+template <int RT, int MODE, int GLU, bool H2>
 __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
                                         const u16* __restrict__ scales, u16* __restrict__ out,
                                         int N, int nblk, int magic, int pdl, const u16* res,
@@ -540,10 +611,18 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
     if (lane == 0) ssq[warp] = ss;
   }
   float acc[RT];
+  if (H2) {
+    u32 xh[16];
+    const float k = x_pairs(xv, xh);
+    const u32 hm = m0 ^ 0x2F006400u;  // 0x64006400 (fp16 1024, 1024) in a register: LOP3 takes one immediate
 #pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    acc[r] = 0.f;
-    step<1>(xv, &c[r], &sc[r], &acc[r], m0, m1);
+    for (int r = 0; r < RT; ++r) acc[r] = step_h2(xh, c[r], sc[r], hm, k);
+  } else {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      acc[r] = 0.f;
+      step<1>(xv, &c[r], &sc[r], &acc[r], m0, m1);
+    }
   }
   const float v = row_sums<RT>(acc, lane);
   if ((lane & (32 / RT - 1)) == 0) red[warp][lane / (32 / RT)] = v;
@@ -563,7 +642,12 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
 
 #define KS_KERNEL(NAME, RT, MODE, GLU)                                                              \
   extern "C" __global__ void __launch_bounds__(128) NAME(GEMV_ARGS) {                              \
-    ks_gemv<RT, MODE, GLU>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, eps, part, nparts); \
+    ks_gemv<RT, MODE, GLU, false>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, eps, part,  \
+                                  nparts);                                                         \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(128) NAME##_h2(GEMV_ARGS) {                         \
+    ks_gemv<RT, MODE, GLU, true>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, eps, part,   \
+                                 nparts);                                                          \
   }
 KS_KERNEL(q4_ks_rt8, 8, 0, 0)
 KS_KERNEL(q4_ks_norm_rt8, 8, 1, 0)
