@@ -504,18 +504,18 @@ __device__ __forceinline__ float step_h2(const u32 (&xh)[16], const U4& c, u16 s
   const u32 w[4] = {c.x, c.y, c.z, c.w};
   u32 a[2] = {0u, 0u};
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const u32 v = w[k], t = w[k] >> 8;
+  for (int j = 0; j < 4; ++j) {
+    const u32 v = w[j], t = w[j] >> 8;
     // (1024 + q) / 8 - 129 and (1024 + 16 q) / 128 - 9: both (q - 8) / 8, exact in fp16
     const u32 q0 = hfma2((v & 0x000F000Fu) | hm, 0x30003000u, 0xD808D808u);
     const u32 q1 = hfma2((v & 0x00F000F0u) | hm, 0x20002000u, 0xC880C880u);
     const u32 q2 = hfma2((t & 0x000F000Fu) | hm, 0x30003000u, 0xD808D808u);
     const u32 q3 = hfma2((t & 0x00F000F0u) | hm, 0x20002000u, 0xC880C880u);
-    u32& acc = a[k / 2];
-    acc = hfma2(xh[k], q0, acc);
-    acc = hfma2(xh[4 + k], q1, acc);
-    acc = hfma2(xh[8 + k], q2, acc);
-    acc = hfma2(xh[12 + k], q3, acc);
+    u32& acc = a[j / 2];
+    acc = hfma2(xh[j], q0, acc);
+    acc = hfma2(xh[4 + j], q1, acc);
+    acc = hfma2(xh[8 + j], q2, acc);
+    acc = hfma2(xh[12 + j], q3, acc);
   }
   return (k * h2f(s)) * (h2sum(a[0]) + h2sum(a[1]));
 }
@@ -614,7 +614,7 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
   if (H2) {
     u32 xh[16];
     const float k = x_pairs(xv, xh);
-    const u32 hm = m0 ^ 0x2F006400u;  // 0x64006400 (fp16 1024, 1024) in a register: LOP3 takes one immediate
+    const u32 hm = m0 ^ 0x2F006400u;  // fp16 (1024, 1024) in a register: LOP3 takes one immediate
 #pragma unroll
     for (int r = 0; r < RT; ++r) acc[r] = step_h2(xh, c[r], sc[r], hm, k);
   } else {
