@@ -115,6 +115,7 @@ def test_ks_fp16_products_keep_huge_and_tiny_activations(ready, monkeypatch) -> 
     block's x is scaled by a power of two first) and on blocks of values near bf16's smallest
     normal, next to ordinary blocks: finite, and within _check's bound."""
     monkeypatch.setattr(cuda_gemv, "KS_ALL", True)
+    monkeypatch.setattr(cuda_gemv, "H2", "_h2")
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     n, k = 1001, 4096
     p, w = _weights(n, k, g)
