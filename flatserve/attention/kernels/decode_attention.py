@@ -76,6 +76,23 @@ def _rope(x, xr, d, d_ok, partner, sign, cos, sin, w_ptr, eps, dt: tl.constexpr,
 
 
 @triton.jit
+def _with_new(n, kt, v, k_new, v_new, pos):
+    """A KV tile with the new token's key and value (position pos) taken from registers: its
+    cache slot holds a stale row until this kernel's own store, which other programs need not
+    see yet."""
+    return tl.where(n[None, :] == pos, k_new[:, None], kt), tl.where(n[:, None] == pos, v_new[None, :], v)
+
+
+@triton.jit
+def _update(n, kt, v, k_new, v_new, pos, q, M, L, acc, q_pos, row_ok, seq_len, scale, softcap, window,
+            USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr):
+    """`_online` on a loaded KV tile, the new token's key and value put in (`_with_new`)."""
+    kt, v = _with_new(n, kt, v, k_new, v_new, pos)
+    return _online(n, kt, v, q, M, L, acc, q_pos, row_ok, seq_len, scale, softcap, window,
+                   USE_SOFTCAP, USE_WINDOW, IEEE, MASK)
+
+
+@triton.jit
 def _merge_group(out_ptr, part_acc_ptr, part_ml_ptr, t, kvh, num_heads, stride_ot, stride_oh,
                  NUM_QPK: tl.constexpr, QPK_P: tl.constexpr, HEAD: tl.constexpr,
                  HEAD_P: tl.constexpr, SEGMENTS: tl.constexpr):
@@ -165,9 +182,8 @@ def _decode_attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, q_ptr, k_pt
             M = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     L = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
-    if t0 < t1:
-        kt = tl.where(n[None, :] == pos, k_new[:, None], kt)
-        v = tl.where(n[:, None] == pos, v_new[None, :], v)
+    if t0 < t1:  # the preloaded first tile
+        kt, v = _with_new(n, kt, v, k_new, v_new, pos)
         if t0 < full_end:
             M, L, acc = _online(n, kt, v, q, M, L, acc, q_pos, row_ok, seq_len, scale, softcap,
                                 window, USE_SOFTCAP, USE_WINDOW, IEEE, False)
@@ -178,30 +194,25 @@ def _decode_attn_kernel(out_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, q_ptr, k_pt
     for j in range(t0 + 1, mid):
         n, kt, v = _kv_tile(j, s, kvh, seq_len, d, d_ok, bt_ptr, kc_ptr, vc_ptr, stride_cb,
                             stride_cs, stride_ch, stride_bt, BLOCK_SIZE, TILE, False)
-        kt = tl.where(n[None, :] == pos, k_new[:, None], kt)  # pos ends its tile: a full tile
-        v = tl.where(n[:, None] == pos, v_new[None, :], v)
-        M, L, acc = _online(n, kt, v, q, M, L, acc, q_pos, row_ok, seq_len, scale, softcap, window,
-                            USE_SOFTCAP, USE_WINDOW, IEEE, False)
+        M, L, acc = _update(n, kt, v, k_new, v_new, pos, q, M, L, acc, q_pos, row_ok, seq_len, scale,
+                            softcap, window, USE_SOFTCAP, USE_WINDOW, IEEE, False)
     for j in range(mid, t1):
         n, kt, v = _kv_tile(j, s, kvh, seq_len, d, d_ok, bt_ptr, kc_ptr, vc_ptr, stride_cb,
                             stride_cs, stride_ch, stride_bt, BLOCK_SIZE, TILE, True)
-        kt = tl.where(n[None, :] == pos, k_new[:, None], kt)
-        v = tl.where(n[:, None] == pos, v_new[None, :], v)
-        M, L, acc = _online(n, kt, v, q, M, L, acc, q_pos, row_ok, seq_len, scale, softcap, window,
-                            USE_SOFTCAP, USE_WINDOW, IEEE, True)
+        M, L, acc = _update(n, kt, v, k_new, v_new, pos, q, M, L, acc, q_pos, row_ok, seq_len, scale,
+                            softcap, window, USE_SOFTCAP, USE_WINDOW, IEEE, True)
 
+    hq = NUM_QPK * tl.num_programs(1)
     if SEGMENTS == 1:
         o = acc / L[:, None]
         tl.store(out_ptr + s * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        hq = NUM_QPK * tl.num_programs(1)
         th = (s * hq + head) * SEGMENTS + seg
         tl.store(part_acc_ptr + th[:, None] * HEAD_P + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + th * 2, M, mask=row_ok)
         tl.store(part_ml_ptr + th * 2 + 1, L, mask=row_ok)
     if (SEGMENTS > 1) & FUSE_MERGE:
-        hq = NUM_QPK * tl.num_programs(1)
         tl.debug_barrier()  # every thread's partial is stored before the count says so
         c = tl.atomic_add(cnt_ptr + s * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
         if c == SEGMENTS - 1:  # the last segment: merge, and reset the count for the next launch
