@@ -19,12 +19,13 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "head": (128256, 4096)}
 # cuda_gemv settings: the default, the kernels before q4_ks (their default, the FMA kernel forced
 # to 1 / 2 / 4 rows, the mma kernel's load groups: it runs only where rows_per_warp says 4), then
-# q4_ks at any row count (K <= 4,096 only)
+# q4_ks at any row count (K <= 4,096 only), with fp32 products, and the default with fp32 products
 OLD = {"KS": False}
 SETTINGS = [{}, OLD, {**OLD, "MMA": False, "FMA_ROWS": 1}, {**OLD, "MMA": False, "FMA_ROWS": 2},
             {**OLD, "MMA": False, "FMA_ROWS": 4}, {**OLD, "STEPS": 2}, {**OLD, "STEPS": 4}] + \
-    [{"KS_ALL": True}, {"KS_ALL": True, "H2": ""}]
-BASE = {"MMA": True, "FMA_ROWS": None, "STEPS": None, "KS": True, "KS_ALL": False, "H2": "_h2"}
+    [{"KS_ALL": True}, {"KS_ALL": True, "H2": ""}, {"H2": ""}]
+BASE = {"MMA": True, "FMA_ROWS": None, "STEPS": None, "KS": True, "KS_ALL": False, "H2": "_h2",
+        "H2_ROWS": True}
 
 
 def main() -> None:
@@ -77,7 +78,7 @@ def main() -> None:
                     for a, v in {**BASE, **st}.items():
                         setattr(cuda_gemv, a, v)
                     key = cuda_gemv.choose(n, k // 32, dev)[0]
-                    label = ({0: "default ", 1: "before "}.get(SETTINGS.index(st), "")
+                    label = ({0: "default ", 1: "before ", len(SETTINGS) - 1: "default "}.get(SETTINGS.index(st), "")
                              + "/".join(map(str, key)) + (" fp32" if st.get("H2") == "" else ""))
                     res.setdefault(label, []).append(graph_us(plain))
         for a, v in BASE.items():

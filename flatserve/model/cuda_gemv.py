@@ -38,9 +38,11 @@ FMA_ROWS: int | None = None  # the FMA kernel's rows a warp: None by fma_rows(),
 # A/B); KS_ALL: at any row count (the tests).
 KS = os.environ.get("FLATSERVE_GEMV_KS", "1") != "0"
 KS_ALL = False
-# q4_ks with its products in packed fp16 (q4_gemv_cuda.cu's H2: the `_h2` kernels; an H200 b1
-# Llama-3-8B q4_0 forward 1.85 against 2.04 ms). "0": the fp32 products (the A/B).
+# q4_ks and the FMA kernel with their products in packed fp16 (q4_gemv_cuda.cu's H2: the `_h2`
+# kernels; an H200 b1 Llama-3-8B q4_0 forward 1.85 against 2.04 ms with q4_ks's alone). "0": the
+# fp32 products (the A/B); "ks": q4_ks's only (H2_ROWS False).
 H2 = "" if os.environ.get("FLATSERVE_GEMV_H2", "1") == "0" else "_h2"
+H2_ROWS = os.environ.get("FLATSERVE_GEMV_H2", "1") != "ks"
 _MMA_SMEM_MAX = 48 * 1024  # dynamic shared memory without an opt-in: 68 bytes a block of x
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 
@@ -158,11 +160,11 @@ class _Api:
                           ((4, "nout"), "q4_gemv_r4_u2_nout"), (("ks_scaled", 8), "q4_ks_scaled_rt8"),
                           (("ks_scaled_silu", 8), "q4_ks_scaled_silu_rt8"),
                           (("ks_scaled_gelu_pytorch_tanh", 8), "q4_ks_scaled_gelu_rt8")):
-            for sfx in ("", "_h2") if name.startswith("q4_ks") else ("",):
+            for sfx in ("",) if name.startswith("q4_mma") else ("", "_h2"):
                 f = ctypes.c_void_p()
                 self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, (name + sfx).encode()),
                            "cuModuleGetFunction")
-                funcs[(key[0] + sfx, key[1]) if sfx else key] = f
+                funcs[(*key, "h2") if sfx else key] = f
         return funcs
 
 
@@ -261,6 +263,12 @@ def fused(n: int, nblk: int) -> bool:
     return _API is not None and nblk <= 128
 
 
+def fp16_products(key: tuple[int | str, int | str]) -> bool:
+    """Whether kernel `key` (choose's, or gemv's fused forms') runs its products in packed fp16 as
+    set now: q4_ks's with H2, the FMA kernel's with H2 and H2_ROWS; never the tensor-core one."""
+    return bool(H2) and (str(key[0]).startswith("ks") or (H2_ROWS and key[0] != "mma"))
+
+
 def handoff_parts(n: int, device: torch.device) -> int:
     """The partial sums a `norm_out` GEMV of n rows writes (one a CTA of the FMA kernel), or 0
     where n does not split evenly into its CTAs (then cuda_stack keeps the norm forms)."""
@@ -307,7 +315,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
     else:
         assert act is None
         key, grid, smem = choose(n, nblk, x.device)
-    kernel = funcs[(key[0] + H2, key[1]) if H2 and str(key[0]).startswith("ks") else key]
+    kernel = funcs[(*key, "h2") if fp16_products(key) else key]
     pdl = programmatic_launch(x.device)
     ptr = (lambda t: ctypes.c_void_p(0 if t is None else t.data_ptr()))
     args = [ptr(x), ptr(codes), ptr(scales), ptr(out), ctypes.c_int(n), ctypes.c_int(nblk),

@@ -68,10 +68,10 @@ def mma_scales(p: torch.Tensor) -> torch.Tensor | None:
     return scales if cuda_gemv.choose(p.shape[0], nblk, p.device)[0][0] == "mma" else None
 
 
-def ks_h2(p: torch.Tensor) -> bool:
-    """Whether gemv takes q4_ks with its packed-fp16 products for weights `p` (_check's `h2`)."""
+def fp16(p: torch.Tensor) -> bool:
+    """Whether gemv takes a kernel with packed-fp16 products for weights `p` (_check's `h2`)."""
     _, _, nblk = quant_planar._views(p, FMT)
-    return cuda_gemv.choose(p.shape[0], nblk, p.device)[0][0] == "ks" and bool(cuda_gemv.H2)
+    return cuda_gemv.fp16_products(cuda_gemv.choose(p.shape[0], nblk, p.device)[0])
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +86,17 @@ def ready() -> None:
 # and a tail (4,192: 131 blocks), of no whole FMA group (1,536 and 2,560: 48 and 80 blocks; the
 # mma kernel's groups of 2 and 4 steps of 8 blocks, then its tail). `kernel`: the FMA kernel at
 # 1, 2 or 4 rows a warp, or the tensor-core kernel with 2 or 4 steps a load group (weights under
-# 40 x SMs rows take the FMA kernel by fma_rows()).
-@pytest.mark.parametrize("kernel", [("fma", 1), ("fma", 2), ("fma", 4), ("mma", 2), ("mma", 4)])
+# 40 x SMs rows take the FMA kernel by fma_rows()). The FMA kernel with its products in packed
+# fp16 (the default) and in fp32.
+@pytest.mark.parametrize("kernel", [("fma", 1), ("fma", 2), ("fma", 4), ("fma32", 1), ("fma32", 2),
+                                    ("fma32", 4), ("mma", 2), ("mma", 4)])
 @pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (1000, 4192), (6151, 4096), (300, 14336),
                                  (5400, 640), (5301, 4192), (777, 1536), (5350, 2560)])
 def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, kernel) -> None:
     kind, v = kernel
+    monkeypatch.setattr(cuda_gemv, "H2", "" if kind == "fma32" else "_h2")
+    monkeypatch.setattr(cuda_gemv, "H2_ROWS", True)
+    kind = "fma" if kind == "fma32" else kind
     monkeypatch.setattr(cuda_gemv, "KS", False)
     monkeypatch.setattr(cuda_gemv, "MMA", kind == "mma")
     monkeypatch.setattr(cuda_gemv, "FMA_ROWS" if kind == "fma" else "STEPS", v)
@@ -110,20 +115,26 @@ def test_ks_matches_float64_reference(ready, monkeypatch, n: int, k: int, h2: st
     _gemv_against_reference(n, k, ("ks", 8))
 
 
-def test_ks_fp16_products_keep_huge_and_tiny_activations(ready, monkeypatch) -> None:
-    """The packed-fp16 products on a residual stream fp16 cannot hold (|x| up to 2^20: each
-    block's x is scaled by a power of two first) and on blocks of values near bf16's smallest
-    normal, next to ordinary blocks: finite, and within _check's bound."""
-    monkeypatch.setattr(cuda_gemv, "KS_ALL", True)
+@pytest.mark.parametrize("kind", ["ks", "fma"])
+def test_fp16_products_keep_huge_and_tiny_activations(ready, monkeypatch, kind: str) -> None:
+    """The packed-fp16 products (q4_ks and the FMA kernel) on a residual stream fp16 cannot hold
+    (|x| up to 2^20: each block's x is scaled by a power of two first) and on blocks of values
+    near bf16's smallest normal, next to ordinary blocks: finite, and within _check's bound."""
+    monkeypatch.setattr(cuda_gemv, "KS", kind == "ks")
+    monkeypatch.setattr(cuda_gemv, "KS_ALL", kind == "ks")
+    monkeypatch.setattr(cuda_gemv, "MMA", False)
     monkeypatch.setattr(cuda_gemv, "H2", "_h2")
+    monkeypatch.setattr(cuda_gemv, "H2_ROWS", True)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    n, k = 1001, 4096
+    n, k = (1001, 4096) if kind == "ks" else (1000, 4192)
     p, w = _weights(n, k, g)
     x = torch.randn(1, k, generator=g)
     x.view(-1, 32)[::3] *= 2.0 ** 20  # massive activations, a third of the blocks
     x.view(-1, 32)[1::3] *= 2.0 ** -120
     x = x.bfloat16().to(DEV)
     codes, scales, nblk = quant_planar._views(p, FMT)
+    key = cuda_gemv.choose(n, nblk, DEV)[0]
+    assert (key[0] == "ks") == (kind == "ks") and cuda_gemv.fp16_products(key), key
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
     _check(out, x, w, h2=True)
@@ -271,7 +282,7 @@ def _gemv_against_reference(n: int, k: int, want: tuple | None) -> None:
         assert key == want, key
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
-    _check(out, x, w, scales if key[0] == "mma" else None, h2=key[0] == "ks" and bool(cuda_gemv.H2))
+    _check(out, x, w, scales if key[0] == "mma" else None, h2=cuda_gemv.fp16_products(key))
     via = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     quant_planar.qgemm(x, p, FMT, via)
     assert torch.equal(via, out)
@@ -320,7 +331,7 @@ def test_gemv_in_a_cuda_graph_replays_with_new_activations(ready) -> None:
         eager = torch.empty_like(out)
         quant_planar.qgemm(x, p, FMT, eager)
         assert torch.equal(out, eager)
-        _check(out, x, w, mma_scales(p), h2=ks_h2(p))
+        _check(out, x, w, mma_scales(p), h2=fp16(p))
 
 
 def test_unaligned_or_disabled_falls_back_to_triton(ready, monkeypatch) -> None:
@@ -394,4 +405,4 @@ def test_gemv_on_a_second_gpu_uses_that_devices_kernels(ready) -> None:
             out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev1)
             assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
             torch.cuda.synchronize(dev1)
-            _check(out, x, w, mma_scales(p), h2=ks_h2(p))
+            _check(out, x, w, mma_scales(p), h2=fp16(p))

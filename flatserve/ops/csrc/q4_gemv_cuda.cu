@@ -180,6 +180,93 @@ __device__ __forceinline__ void step(const U4 (&xv)[4], const U4* cv, const u16*
   }
 }
 
+// H2 (the default for q4_ks and the FMA kernel; FLATSERVE_GEMV_H2=0 keeps the fp32 products, =ks
+// keeps them in the FMA kernel): the products in packed fp16 on the CUDA cores, two values an
+// instruction. A code word's nibbles s and s + 4 (values 4s + w and 4s + w + 16 of the block, w
+// the word) land in the two halves' mantissas of 1024 by one LOP3 each (s = 0, 1; the word >> 8
+// for s = 2, 3), one HFMA2 makes (q - 8) / 8 of them (exact), one more adds x * that into an fp16
+// pair of sums: 13 instructions for 8 weights where step() takes ~26 (SASS of q4_ks_rt8: 829
+// against 1,121 a thread; q4_gemv_r4_u2 3,004 against 3,717). x's block is scaled by a power of
+// two into [2^10, 2^11) at its largest |value| and packed into the same value pairs once a lane
+// (x_pairs; the FMA kernel: once a step for its R rows), so no fp16 sum can overflow (8 products
+// of at most 2^11) whatever the residual stream holds; the two halves of two sums (words 0-1,
+// 2-3: 8 products each) meet in fp32 with the scale, 8 and the power of two taken back. Each
+// HFMA2 rounds to fp16 (2^-11 of the partial sum), so a block's sum is within 2^-8 of its sum
+// |term| (tests/model/test_cuda_gemv.py's bound); measured against the fp32 products, ~17% of the
+// bf16 outputs differ, by at most ~3.6e-3 of the largest output (6e-3 at the LM head).
+// On an H200 (benchmarks/dev/gemv_kernels.py; raw docs/benchmarks/raw/gpu_h200_q4_0_gemv_h2/), a
+// call against the fp32 products: q|k|v 5.6 / 6.5 us, gate|up 18.2 / 21.8, the LM head 68.8 /
+// 87.8, o 5.0 / 5.2, down 13.7 / 14.1. The b1 Llama-3-8B forward (step_breakdown.py, one call):
+// 1.81 ms, 1.84 with the fp32 products in the FMA kernel, 1.99 with them everywhere. The prescale
+// costs ~0.13 ms of it (1.68 ms with x converted unscaled, which can overflow); its max is not
+// the part that costs: a tree of max.u16x2 on |x|'s bits gave the same 1.81 ms as this chain of
+// 32 FMNMX, the instruction count the same too.
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 f2h2(float lo, float hi) {  // -> fp16 pair {lo, hi}
+  u32 d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ float h2sum(u32 v) {  // fp16 pair -> lo + hi in fp32
+  return h2f((u16)(v & 0xffffu)) + h2f((u16)(v >> 16));
+}
+__device__ __forceinline__ float xval(const U4 (&xv)[4], int j) {  // value j of a lane's 32 bf16
+  const U4 c = xv[j / 8];
+  const u32 w = (j % 8) / 2 == 0 ? c.x : (j % 8) / 2 == 1 ? c.y : (j % 8) / 2 == 2 ? c.z : c.w;
+  return j % 2 ? bf_hi(w) : bf_lo(w);
+}
+// xh[4 i + w] = {x[w + 4 i], x[w + 4 i + 16]} * 2^e: the values nibble pair i of code word w holds,
+// 2^e putting the block's largest |x| in [2^10, 2^11) (1 for a block of zeros); -> 8 / 2^e.
+__device__ __forceinline__ float x_pairs(const U4 (&xv)[4], u32 (&xh)[16]) {
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) m = fmaxf(m, fabsf(xval(xv, j)));
+  const int ex = (int)(__float_as_uint(m) >> 23);  // m >= 0: its biased exponent (255: inf / nan)
+  const int e = ex ? min(137 - ex, 126) : 0;  // 2^(ex - 127 + e) = 2^10 (126: 2^e a float)
+  const float up = __uint_as_float((u32)(127 + e) << 23);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+      xh[4 * i + w] = f2h2(xval(xv, w + 4 * i) * up, xval(xv, w + 4 * i + 16) * up);
+  return __uint_as_float((u32)(127 - e + 3) << 23);
+}
+// One row's block: 4 code words c, fp16 scale s -> its 32 products summed and scaled (k: x_pairs').
+__device__ __forceinline__ float step_h2(const u32 (&xh)[16], const U4& c, u16 s, u32 hm, float k) {
+  const u32 w[4] = {c.x, c.y, c.z, c.w};
+  u32 a[2] = {0u, 0u};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u32 v = w[j], t = w[j] >> 8;
+    // (1024 + q) / 8 - 129 and (1024 + 16 q) / 128 - 9: both (q - 8) / 8, exact in fp16
+    const u32 q0 = hfma2((v & 0x000F000Fu) | hm, 0x30003000u, 0xD808D808u);
+    const u32 q1 = hfma2((v & 0x00F000F0u) | hm, 0x20002000u, 0xC880C880u);
+    const u32 q2 = hfma2((t & 0x000F000Fu) | hm, 0x30003000u, 0xD808D808u);
+    const u32 q3 = hfma2((t & 0x00F000F0u) | hm, 0x20002000u, 0xC880C880u);
+    u32& acc = a[j / 2];
+    acc = hfma2(xh[j], q0, acc);
+    acc = hfma2(xh[4 + j], q1, acc);
+    acc = hfma2(xh[8 + j], q2, acc);
+    acc = hfma2(xh[12 + j], q3, acc);
+  }
+  return (k * h2f(s)) * (h2sum(a[0]) + h2sum(a[1]));
+}
+// step() in either form: H2 packs the lane's x once for its R rows (gemv's `_h2` kernels).
+template <int R, bool H2>
+__device__ __forceinline__ void step_any(const U4 (&xv)[4], const U4* cv, const u16* sv, float* acc,
+                                         u32 m0, u32 m1) {
+  if (!H2) return step<R>(xv, cv, sv, acc, m0, m1);
+  u32 xh[16];
+  const float k = x_pairs(xv, xh);
+  const u32 hm = m0 ^ 0x2F006400u;  // fp16 (1024, 1024) in a register: LOP3 takes one immediate
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] += step_h2(xh, cv[r], sv[r], hm, k);
+}
+
 // x [nblk * 32] bf16 (16-byte aligned), codes [N][nblk] x 16 bytes, scales [N][nblk] fp16, out [N]
 // bf16. magic: the bits of 2^23 (a kernel argument: a constant mask and magic would both be
 // immediates, and LOP3 takes one). Rows past N read row N - 1 and store nothing; blocks past nblk
@@ -189,7 +276,7 @@ __device__ __forceinline__ void step(const U4 (&xv)[4], const U4* cv, const u16*
 // over the CTA's rows, so the GEMV after it takes hw as its x and only scales its sums by
 // rsqrt(sum(part) / K + eps) (q4_ks's MODE 2): the elementwise half of the norm runs once here,
 // per row, instead of in each of the next GEMV's CTAs. Needs N % (4 R) == 0 (cuda_gemv.gemv).
-template <int R, int U, bool NOUT = false>
+template <int R, int U, bool NOUT = false, bool H2 = false>
 __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
                                      const u16* __restrict__ scales, u16* __restrict__ out, int N,
                                      int nblk, int magic, int pdl, const u16* res,
@@ -227,7 +314,7 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
               for (int u = 0; u < U; ++u) {
                 const U4* q = xp + (size_t)(k + 32 * u) * 4;
                 const U4 xv[4] = {ldx128(q), ldx128(q + 1), ldx128(q + 2), ldx128(q + 3)};
-                step<R>(xv, d.c[u], d.s[u], acc, m0, m1);
+                step_any<R, H2>(xv, d.c[u], d.s[u], acc, m0, m1);
               }
             });
   for (int kb = full * 32 * U; kb < nblk; kb += 32) {  // single steps; past nblk: x 0, the last block
@@ -244,7 +331,7 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
       cv[r] = ldg128(cp[r] + bk);
       sv[r] = ldg16(sp[r] + bk);
     }
-    step<R>(xv, cv, sv, acc, m0, m1);
+    step_any<R, H2>(xv, cv, sv, acc, m0, m1);
   }
   warp_sums<R>(acc);
   if (!NOUT) {
@@ -283,6 +370,9 @@ __device__ __forceinline__ void gemv(const u16* __restrict__ x, const U4* __rest
 #define GEMV_KERNEL(R, U)                                                                            \
   extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u##U(GEMV_ARGS) {           \
     gemv<R, U>(x, codes, scales, out, N, nblk, magic, pdl, res);                                  \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u##U##_h2(GEMV_ARGS) {      \
+    gemv<R, U, false, true>(x, codes, scales, out, N, nblk, magic, pdl, res);                     \
   }
 GEMV_KERNEL(1, 2)
 GEMV_KERNEL(2, 2)
@@ -290,6 +380,9 @@ GEMV_KERNEL(4, 2)
 #define GEMV_NOUT_KERNEL(R)                                                                          \
   extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u2_nout(GEMV_ARGS) {        \
     gemv<R, 2, true>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, hw, part);              \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(128, 1) q4_gemv_r##R##_u2_nout_h2(GEMV_ARGS) {     \
+    gemv<R, 2, true, true>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, hw, part);        \
   }
 GEMV_NOUT_KERNEL(1)
 GEMV_NOUT_KERNEL(2)
@@ -447,77 +540,6 @@ __device__ __forceinline__ float row_sums(float (&v)[RT], int lane) {
 #pragma unroll
   for (int o = 32 / RT / 2; o; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
   return v[0];
-}
-
-// H2 (the default for q4_ks; FLATSERVE_GEMV_H2=0 keeps the fp32 products): the products in packed
-// fp16 on the CUDA cores, two values an instruction. A code word's nibbles s and s + 4 (values
-// 4s + w and 4s + w + 16 of the block, w the word) land in the two halves' mantissas of 1024 by
-// one LOP3 each (s = 0, 1; the word >> 8 for s = 2, 3), one HFMA2 makes (q - 8) / 8 of them
-// (exact), one more adds x * that into an fp16 pair of sums: 13 instructions for 8 weights where
-// step() takes ~26 (SASS of q4_ks_rt8: 840 against 1,136 a thread). x's block is scaled by a
-// power of two into [2^10, 2^11) at its largest |value| and packed into the same value pairs once a
-// lane (x_pairs), so no fp16 sum can overflow (8 products of at most 2^11) whatever the residual
-// stream holds; the two halves of two sums (words 0-1, 2-3: 8 products each) meet in fp32 with
-// the scale, 8 and the power of two taken back. Each HFMA2 rounds to fp16 (2^-11 of the partial
-// sum), so a block's sum is within 2^-8 of its sum |term| (tests/model/test_cuda_gemv.py's bound);
-// measured against the fp32 products, ~17% of the bf16 outputs differ, by at most ~3e-3 of the
-// largest output. On an H200, before the prescale, a call took q|k|v 5.2 against 6.5 us, gate|up
-// 17.1 against 21.6, the LM head 66.4 against 85.5: the read floor (benchmarks/dev/gemv_kernels.py;
-// raw docs/benchmarks/raw/gpu_h200_q4_0_gemv_h2/). The b1 forward: 1.74 ms then, 1.85 with the
-// prescale, 2.04 with the fp32 products. The prescale's max is a chain of 32 dependent FMNMX.
-__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
-  u32 d;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ u32 f2h2(float lo, float hi) {  // -> fp16 pair {lo, hi}
-  u32 d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-__device__ __forceinline__ float h2sum(u32 v) {  // fp16 pair -> lo + hi in fp32
-  return h2f((u16)(v & 0xffffu)) + h2f((u16)(v >> 16));
-}
-__device__ __forceinline__ float xval(const U4 (&xv)[4], int j) {  // value j of a lane's 32 bf16
-  const U4 c = xv[j / 8];
-  const u32 w = (j % 8) / 2 == 0 ? c.x : (j % 8) / 2 == 1 ? c.y : (j % 8) / 2 == 2 ? c.z : c.w;
-  return j % 2 ? bf_hi(w) : bf_lo(w);
-}
-// xh[4 i + w] = {x[w + 4 i], x[w + 4 i + 16]} * 2^e: the values nibble pair i of code word w holds,
-// 2^e putting the block's largest |x| in [2^10, 2^11) (1 for a block of zeros); -> 8 / 2^e.
-__device__ __forceinline__ float x_pairs(const U4 (&xv)[4], u32 (&xh)[16]) {
-  float m = 0.f;
-#pragma unroll
-  for (int j = 0; j < 32; ++j) m = fmaxf(m, fabsf(xval(xv, j)));
-  const int ex = (int)(__float_as_uint(m) >> 23);  // m >= 0: its biased exponent (255: inf / nan)
-  const int e = ex ? min(137 - ex, 126) : 0;  // 2^(ex - 127 + e) = 2^10 (126: 2^e a float)
-  const float up = __uint_as_float((u32)(127 + e) << 23);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int w = 0; w < 4; ++w)
-      xh[4 * i + w] = f2h2(xval(xv, w + 4 * i) * up, xval(xv, w + 4 * i + 16) * up);
-  return __uint_as_float((u32)(127 - e + 3) << 23);
-}
-// One row's block: 4 code words c, fp16 scale s -> its 32 products summed and scaled (k: x_pairs').
-__device__ __forceinline__ float step_h2(const u32 (&xh)[16], const U4& c, u16 s, u32 hm, float k) {
-  const u32 w[4] = {c.x, c.y, c.z, c.w};
-  u32 a[2] = {0u, 0u};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const u32 v = w[j], t = w[j] >> 8;
-    // (1024 + q) / 8 - 129 and (1024 + 16 q) / 128 - 9: both (q - 8) / 8, exact in fp16
-    const u32 q0 = hfma2((v & 0x000F000Fu) | hm, 0x30003000u, 0xD808D808u);
-    const u32 q1 = hfma2((v & 0x00F000F0u) | hm, 0x20002000u, 0xC880C880u);
-    const u32 q2 = hfma2((t & 0x000F000Fu) | hm, 0x30003000u, 0xD808D808u);
-    const u32 q3 = hfma2((t & 0x00F000F0u) | hm, 0x20002000u, 0xC880C880u);
-    u32& acc = a[j / 2];
-    acc = hfma2(xh[j], q0, acc);
-    acc = hfma2(xh[4 + j], q1, acc);
-    acc = hfma2(xh[8 + j], q2, acc);
-    acc = hfma2(xh[12 + j], q3, acc);
-  }
-  return (k * h2f(s)) * (h2sum(a[0]) + h2sum(a[1]));
 }
 
 // act(g) of a gated MLP, as triton_ops._act_mul_kernel: 1 SiLU, 2 GELU (tanh approximation).
