@@ -19,13 +19,14 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "head": (128256, 4096)}
 # cuda_gemv settings: the default, the kernels before q4_ks (their default, the FMA kernel forced
 # to 1 / 2 / 4 rows, the mma kernel's load groups: it runs only where rows_per_warp says 4), then
-# q4_ks at any row count (K <= 4,096 only), with fp32 products, and the default with fp32 products
-OLD = {"KS": False}
+# q4_ks at any row count (K <= 4,096 only), with fp32 products, the default without q4_ksx (the FMA
+# kernel there) and the default with fp32 products
+OLD = {"KS": False, "KSX": False}
 SETTINGS = [{}, OLD, {**OLD, "MMA": False, "FMA_ROWS": 1}, {**OLD, "MMA": False, "FMA_ROWS": 2},
             {**OLD, "MMA": False, "FMA_ROWS": 4}, {**OLD, "STEPS": 2}, {**OLD, "STEPS": 4}] + \
-    [{"KS_ALL": True}, {"KS_ALL": True, "H2": ""}, {"H2": ""}]
+    [{"KS_ALL": True}, {"KS_ALL": True, "H2": ""}, {"KSX": False}, {"H2": ""}]
 BASE = {"MMA": True, "FMA_ROWS": None, "STEPS": None, "KS": True, "KS_ALL": False, "H2": "_h2",
-        "H2_ROWS": True}
+        "H2_ROWS": True, "KSX": True}
 
 
 def main() -> None:
@@ -55,12 +56,11 @@ def main() -> None:
             codes, scales, nblk = zip(*[qp._views(p, fmt) for p in ps])
             w, r = torch.ones(k, dtype=torch.bfloat16, device=dev), torch.randn_like(out)
             nw, hw = torch.ones(n, dtype=torch.bfloat16, device=dev), torch.empty_like(out)
-            mine = torch.zeros(max(1, cuda_gemv.handoff_parts(n, dev)), device=dev)  # norm_out's
             given = torch.ones(cuda_gemv.handoff_parts(k, dev), device=dev)  # prenormed's: o's or down's
             pre = {"prenormed": (given, 1e-5)}
             forms = {"qkv": [{"norm": (w, 1e-5)}, pre], "head": [{"norm": (w, 1e-5)}],
-                     "o": [{"res": r}, {"res": r, "norm_out": (nw, hw, mine)}],
-                     "down": [{"res": r}, {"res": r, "norm_out": (nw, hw, mine)}],
+                     "o": [{"res": r}, {"res": r, "norm_out": None}],
+                     "down": [{"res": r}, {"res": r, "norm_out": None}],
                      "gate_up": [{"norm": (w, 1e-5), "act": "silu"}, {**pre, "act": "silu"}]}[name]
             for _ in range(args.rounds):
                 res.setdefault("default", []).append(graph_us(plain))
@@ -68,17 +68,25 @@ def main() -> None:
                     y = out[:, :n // 2] if "act" in form else out
                     fused = [lambda i=i, y=y, form=form: cuda_gemv.gemv(x, codes[i], scales[i], y, n, nblk[i],
                                                                         **form) for i in range(len(ps))]
-                    for h2 in ("_h2", ""):  # q4_ks's packed-fp16 products, then its fp32 ones
-                        cuda_gemv.H2 = h2
-                        res.setdefault("+".join(form) + ("" if h2 else " fp32"), []).append(graph_us(fused))
-                    cuda_gemv.H2 = BASE["H2"]
+                    # packed-fp16 products, then fp32 ones; o and down by q4_ksx, then the FMA kernel
+                    runs = (("_h2", True), ("", True)) + ((("_h2", False),) if name in ("o", "down") else ())
+                    for h2, ksx in runs:
+                        cuda_gemv.H2, cuda_gemv.KSX = h2, ksx
+                        mine = torch.zeros(max(1, cuda_gemv.handoff_parts(n, dev, nblk[0])), device=dev)
+                        if "norm_out" in form:
+                            form["norm_out"] = (nw, hw, mine)
+                        res.setdefault("+".join(form) + ("" if h2 else " fp32") + ("" if ksx else " fma"),
+                                       []).append(graph_us(fused))
+                    cuda_gemv.H2, cuda_gemv.KSX = BASE["H2"], BASE["KSX"]
         else:
             for _ in range(args.rounds):
                 for st in SETTINGS:
                     for a, v in {**BASE, **st}.items():
                         setattr(cuda_gemv, a, v)
                     key = cuda_gemv.choose(n, k // 32, dev)[0]
-                    label = ({0: "default ", 1: "before ", len(SETTINGS) - 1: "default "}.get(SETTINGS.index(st), "")
+                    prefix = {0: "default ", 1: "before ", len(SETTINGS) - 2: "no-ksx ",
+                              len(SETTINGS) - 1: "default "}
+                    label = (prefix.get(SETTINGS.index(st), "")
                              + "/".join(map(str, key)) + (" fp32" if st.get("H2") == "" else ""))
                     res.setdefault(label, []).append(graph_us(plain))
         for a, v in BASE.items():

@@ -15,6 +15,7 @@ first weight loads before it waits for the kernel before it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import logging
@@ -43,13 +44,18 @@ KS_ALL = False
 # fp32 products (the A/B); "ks": q4_ks's only (H2_ROWS False).
 H2 = "" if os.environ.get("FLATSERVE_GEMV_H2", "1") == "0" else "_h2"
 H2_ROWS = os.environ.get("FLATSERVE_GEMV_H2", "1") != "ks"
+# q4_ks split along K over a thread block cluster (q4_gemv_cuda.cu's ksx; sm_90) for K up to
+# 32,768 where q4_ks does not apply, and for the hand-off ("0": the FMA kernel there, the A/B).
+KSX = os.environ.get("FLATSERVE_GEMV_KSX", "1") != "0"
+KS_ROWS = 8  # rows a CTA (a CTA group with q4_ksx) of q4_ks and q4_ksx (16: b1 2.05 against 1.85 ms)
+_KSX_MAX_NBLK = 8 * 128  # a portable cluster: at most 8 CTAs of 128 blocks
 _MMA_SMEM_MAX = 48 * 1024  # dynamic shared memory without an opt-in: 68 bytes a block of x
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+_CLUSTER_ATTR = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: value {x, y, z}
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_int),
-                ("rest", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_uint * 16)]
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -151,15 +157,13 @@ class _Api:
             self.check(self.cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         mod, funcs = ctypes.c_void_p(), {}
         self.check(self.cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
-        for key, name in (((1, 2), "q4_gemv_r1_u2"), ((2, 2), "q4_gemv_r2_u2"), ((4, 2), "q4_gemv_r4_u2"),
+        ks = [((k, KS_ROWS), f"q4_{k.replace('_pytorch_tanh', '')}_rt{KS_ROWS}") for k in
+              ("ks", "ks_norm", "ks_norm_silu", "ks_norm_gelu_pytorch_tanh", "ks_scaled", "ks_scaled_silu",
+               "ks_scaled_gelu_pytorch_tanh", "ksx", "ksx_nout")]
+        for key, name in [((1, 2), "q4_gemv_r1_u2"), ((2, 2), "q4_gemv_r2_u2"), ((4, 2), "q4_gemv_r4_u2"),
                           (("mma", 2), "q4_mma_rp2_u2"), (("mma", 4), "q4_mma_rp2_u4"),
-                          (("ks", 8), "q4_ks_rt8"),
-                          (("ks_norm", 8), "q4_ks_norm_rt8"), (("ks_norm_silu", 8), "q4_ks_norm_silu_rt8"),
-                          (("ks_norm_gelu_pytorch_tanh", 8), "q4_ks_norm_gelu_rt8"),
                           ((1, "nout"), "q4_gemv_r1_u2_nout"), ((2, "nout"), "q4_gemv_r2_u2_nout"),
-                          ((4, "nout"), "q4_gemv_r4_u2_nout"), (("ks_scaled", 8), "q4_ks_scaled_rt8"),
-                          (("ks_scaled_silu", 8), "q4_ks_scaled_silu_rt8"),
-                          (("ks_scaled_gelu_pytorch_tanh", 8), "q4_ks_scaled_gelu_rt8")):
+                          ((4, "nout"), "q4_gemv_r4_u2_nout")] + ks:
             for sfx in ("",) if name.startswith("q4_mma") else ("", "_h2"):
                 f = ctypes.c_void_p()
                 self.check(self.cuda.cuModuleGetFunction(ctypes.byref(f), mod, (name + sfx).encode()),
@@ -235,13 +239,15 @@ def fma_rows(n: int, device: torch.device) -> int:
 
 def choose(n: int, nblk: int, device: torch.device) -> tuple[tuple[int | str, int], int, int]:
     """The kernel for an n x (32 nblk) weight on `device` (prepared): its key in _Api.funcs, the
-    grid (CTAs of 4 warps) and the dynamic shared bytes. q4_ks (8 rows a CTA) where the tensor-
+    grid (CTAs of 4 warps) and the dynamic shared bytes. q4_ks (KS_ROWS rows a CTA) where the tensor-
     core kernel's rows meet K <= 4,096: on an H200 q|k|v 6.5 against 6.8, gate|up 21.6 / 23.7,
     the LM head 85.5 / 94.0 us a call; at o's 4,096 rows 5.0 against the FMA kernel's 4.8, so
     smaller weights keep the FMA kernel (docs/performance-gpu.md)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if KS and nblk <= 128 and (KS_ALL or rows_per_warp(n, device) == 4):
-        return ("ks", 8), -(-n // 8), 0
+        return ("ks", KS_ROWS), -(-n // KS_ROWS), 0
+    if ksx(nblk, device):
+        return ("ksx", KS_ROWS), -(-n // KS_ROWS) * -(-nblk // 128), 0
     smem = 68 * (-(-nblk // 8) * 8)  # q4_mma_rp2's x table
     if not (rows_per_warp(n, device) == 4 and MMA and smem <= _MMA_SMEM_MAX):
         r = fma_rows(n, device)
@@ -269,10 +275,27 @@ def fp16_products(key: tuple[int | str, int | str]) -> bool:
     return bool(H2) and (str(key[0]).startswith("ks") or (H2_ROWS and key[0] != "mma"))
 
 
-def handoff_parts(n: int, device: torch.device) -> int:
-    """The partial sums a `norm_out` GEMV of n rows writes (one a CTA of the FMA kernel), or 0
-    where n does not split evenly into its CTAs (then cuda_stack keeps the norm forms)."""
-    rows = 4 * fma_rows(n, device)
+def ksx(nblk: int, device: torch.device) -> bool:
+    """Whether q4_ksx takes a weight of nblk blocks a row on `device`: KSX, sm_90 or later (thread
+    block clusters), K <= 32,768 (a cluster of at most 8 CTAs)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return KSX and nblk <= _KSX_MAX_NBLK and _major(index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def handoff_parts(n: int, device: torch.device, *nblks: int) -> int:
+    """The partial sums a `norm_out` GEMV of n rows and each of nblks blocks a row writes (one a
+    CTA group of q4_ksx, KS_ROWS rows, where it takes them all; else one a CTA of the FMA kernel), or 0
+    where n does not split evenly into those or the GEMVs would take different kernels (then
+    cuda_stack keeps the norm forms)."""
+    takes = {ksx(b, device) for b in nblks or (0,)}
+    if len(takes) > 1:
+        return 0
+    rows = KS_ROWS if takes.pop() else 4 * fma_rows(n, device)
     return n // rows if n % rows == 0 else 0
 
 
@@ -301,17 +324,19 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
     if norm is not None or prenormed is not None:
         assert fused(n, nblk) and res is None and not (act and n % 2) and (norm is None or prenormed is None)
         assert norm is None or norm[0].dtype == torch.bfloat16
-        key = ("ks_" + ("norm" if norm else "scaled") + (f"_{act}" if act else ""), 8)
-        grid = -(-(n // 2 if act else n) // (4 if act else 8))
+        key = ("ks_" + ("norm" if norm else "scaled") + (f"_{act}" if act else ""), KS_ROWS)
+        grid = -(-(n // 2 if act else n) // (KS_ROWS // 2 if act else KS_ROWS))
         smem = 0
         if prenormed is not None:
             nparts = prenormed[0].numel()
             norm = (None, prenormed[1])
     elif norm_out is not None:
         assert act is None and norm_out[2].dtype == torch.float32
-        r = fma_rows(n, x.device)
-        assert n % (4 * r) == 0 and norm_out[2].numel() == n // (4 * r), (n, r, norm_out[2].shape)
-        key, grid, smem = (r, "nout"), n // (4 * r), 0
+        kx = ksx(nblk, x.device)
+        r = KS_ROWS if kx else 4 * fma_rows(n, x.device)  # rows a partial sum (CTA group)
+        assert n % r == 0 and norm_out[2].numel() == n // r, (n, r, norm_out[2].shape)
+        key, grid = (("ksx_nout", r), n // r * -(-nblk // 128)) if kx else ((r // 4, "nout"), n // r)
+        smem = 0
     else:
         assert act is None
         key, grid, smem = choose(n, nblk, x.device)
@@ -325,9 +350,17 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
             ptr(norm_out[2] if norm_out else prenormed[0] if prenormed else None), ctypes.c_int(nparts)]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    attr = _LaunchAttr(id=_PDL_ATTR, value=1)  # passed only with PDL
+    attrs = (_LaunchAttr * 2)()
+    nattr = 0
+    if pdl:
+        attrs[0].id, attrs[0].value[0], nattr = _PDL_ATTR, 1, 1
+    if str(key[0]).startswith("ksx"):  # a cluster of the CTAs that split a row group's K
+        attrs[nattr].id, attrs[nattr].value[0], attrs[nattr].value[1], attrs[nattr].value[2] = \
+            _CLUSTER_ATTR, -(-nblk // 128), 1, 1
+        nattr += 1
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(128, 1, 1),
-                        smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=int(pdl))
+                        smem=smem, stream=stream, attrs=ctypes.cast(attrs, ctypes.POINTER(_LaunchAttr)),
+                        num_attrs=nattr)
     _API.check(_API.cuda.cuLaunchKernelEx(ctypes.byref(cfg), kernel, params, None),
                "cuLaunchKernelEx q4_gemv")
     return True

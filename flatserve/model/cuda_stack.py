@@ -3,10 +3,10 @@ its GEMVs (`ops/csrc/q4_gemv_cuda.cu`): a layer is
 
     q|k|v = W_qkv rmsnorm(h)            q4_ks_scaled: x = bf16(h * nw) from down, 1 / rms at the end
     rope + KV write, attention          the layer's own kernels (Attention.attend_qkv)
-    h1 = h + W_o o                      the residual add in the GEMV's store, and the hand-off:
+    h1 = h + W_o o                      q4_ksx: the residual add in the GEMV's store, and the hand-off:
                                         bf16(h1 * nw) and the CTAs' sums of h1^2 (norm_out)
     a = act(gate) * up, gate|up = W rmsnorm(h1)   q4_ks_scaled_silu: norm in, activation out
-    h2 = h1 + W_down a                  the residual add and the next layer's hand-off
+    h2 = h1 + W_down a                  q4_ksx (K split over a cluster): the add and the hand-off
 
 (layer 0's q|k|v normalizes the embedding itself: q4_ks_norm.) 7 launches (8 with the split-KV
 merge) where the Python layers make 10: the two fused add + RMSNorm kernels and act_and_mul are
@@ -131,5 +131,5 @@ def build(layers: nn.ModuleList, device: torch.device) -> CudaDecoderStack | Non
         if any(w is None for w in lins) or not all(cuda_gemv.fused(w[3], w[2]) for w in (lins[0], lins[2])):
             return None
         out.append(_Layer(layer, lins))
-    parts = cuda_gemv.handoff_parts(out[0].o[3], device) if HANDOFF else 0
+    parts = cuda_gemv.handoff_parts(out[0].o[3], device, out[0].o[2], out[0].down[2]) if HANDOFF else 0
     return CudaDecoderStack(out, parts)

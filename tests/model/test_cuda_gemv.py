@@ -98,6 +98,7 @@ def test_gemv_matches_float64_reference(ready, monkeypatch, n: int, k: int, kern
     monkeypatch.setattr(cuda_gemv, "H2_ROWS", True)
     kind = "fma" if kind == "fma32" else kind
     monkeypatch.setattr(cuda_gemv, "KS", False)
+    monkeypatch.setattr(cuda_gemv, "KSX", False)
     monkeypatch.setattr(cuda_gemv, "MMA", kind == "mma")
     monkeypatch.setattr(cuda_gemv, "FMA_ROWS" if kind == "fma" else "STEPS", v)
     _gemv_against_reference(n, k, ("mma", v) if kind == "mma" and cuda_gemv.rows_per_warp(n, DEV) == 4
@@ -115,18 +116,35 @@ def test_ks_matches_float64_reference(ready, monkeypatch, n: int, k: int, h2: st
     _gemv_against_reference(n, k, ("ks", 8))
 
 
-@pytest.mark.parametrize("kind", ["ks", "fma"])
+# q4_ksx (q4_ks split along K over a cluster of ceil(K / 4,096) CTAs, sm_90): row tails; clusters of
+# 1 (one block; 20 blocks; 128), 2 (131 blocks: a partial second CTA), 4 (down's 448 blocks) and 8
+# (1,024 blocks), the products in packed fp16 and in fp32.
+@pytest.mark.parametrize("h2", ["_h2", ""])
+@pytest.mark.parametrize("n,k", [(8, 32), (13, 640), (4096, 4096), (1001, 4192), (300, 14336),
+                                 (4096, 14336), (77, 32768)])
+def test_ksx_matches_float64_reference(ready, monkeypatch, n: int, k: int, h2: str) -> None:
+    if torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("q4_ksx needs thread block clusters (sm_90)")
+    monkeypatch.setattr(cuda_gemv, "KS", False)
+    monkeypatch.setattr(cuda_gemv, "H2", h2)
+    _gemv_against_reference(n, k, ("ksx", 8))
+
+
+@pytest.mark.parametrize("kind", ["ks", "fma", "ksx"])
 def test_fp16_products_keep_huge_and_tiny_activations(ready, monkeypatch, kind: str) -> None:
     """The packed-fp16 products (q4_ks and the FMA kernel) on a residual stream fp16 cannot hold
     (|x| up to 2^20: each block's x is scaled by a power of two first) and on blocks of values
     near bf16's smallest normal, next to ordinary blocks: finite, and within _check's bound."""
     monkeypatch.setattr(cuda_gemv, "KS", kind == "ks")
     monkeypatch.setattr(cuda_gemv, "KS_ALL", kind == "ks")
+    monkeypatch.setattr(cuda_gemv, "KSX", kind == "ksx")
     monkeypatch.setattr(cuda_gemv, "MMA", False)
     monkeypatch.setattr(cuda_gemv, "H2", "_h2")
     monkeypatch.setattr(cuda_gemv, "H2_ROWS", True)
+    if kind == "ksx" and torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("q4_ksx needs thread block clusters (sm_90)")
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    n, k = (1001, 4096) if kind == "ks" else (1000, 4192)
+    n, k = {"ks": (1001, 4096), "fma": (1000, 4192), "ksx": (1000, 14336)}[kind]
     p, w = _weights(n, k, g)
     x = torch.randn(1, k, generator=g)
     x.view(-1, 32)[::3] *= 2.0 ** 20  # massive activations, a third of the blocks
@@ -134,7 +152,7 @@ def test_fp16_products_keep_huge_and_tiny_activations(ready, monkeypatch, kind: 
     x = x.bfloat16().to(DEV)
     codes, scales, nblk = quant_planar._views(p, FMT)
     key = cuda_gemv.choose(n, nblk, DEV)[0]
-    assert (key[0] == "ks") == (kind == "ks") and cuda_gemv.fp16_products(key), key
+    assert key[0] == (kind if kind != "fma" else 1) and cuda_gemv.fp16_products(key), key
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(x, codes, scales, out, n, nblk)
     _check(out, x, w, h2=True)
@@ -188,14 +206,18 @@ def test_ks_norm_act_is_the_norm_gemv_then_act_and_mul(ready, act: str, i: int, 
 
 # The residual add in the store, for every kernel family: the bits of the plain GEMV's output
 # added to res in bf16 (torch's bf16 add: fp32 sum, one rounding).
-@pytest.mark.parametrize("kernel", [("fma", 4), ("fma", 1), ("mma", 2), ("ks", 8)])
+@pytest.mark.parametrize("kernel", [("fma", 4), ("fma", 1), ("mma", 2), ("ks", 8), ("ksx", 8)])
 def test_residual_add_is_the_gemv_then_the_add(ready, monkeypatch, kernel) -> None:
     kind, v = kernel
-    n, k = {"fma": (1000, 4192), "mma": (5400, 4096), "ks": (1001, 4096)}[kind]
+    if kind == "ksx" and torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("q4_ksx needs thread block clusters (sm_90)")
+    n, k = {"fma": (1000, 4192), "mma": (5400, 4096), "ks": (1001, 4096), "ksx": (1000, 14336)}[kind]
     monkeypatch.setattr(cuda_gemv, "KS", kind == "ks")
+    monkeypatch.setattr(cuda_gemv, "KSX", kind == "ksx")
     monkeypatch.setattr(cuda_gemv, "KS_ALL", kind == "ks")
     monkeypatch.setattr(cuda_gemv, "MMA", kind == "mma")
-    monkeypatch.setattr(cuda_gemv, "FMA_ROWS" if kind == "fma" else "STEPS", v if kind != "ks" else None)
+    monkeypatch.setattr(cuda_gemv, "FMA_ROWS" if kind == "fma" else "STEPS",
+                        v if kind in ("fma", "mma") else None)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     p, _ = _weights(n, k, g)
     codes, scales, nblk = quant_planar._views(p, FMT)
@@ -217,13 +239,17 @@ def test_residual_add_is_the_gemv_then_the_add(ready, monkeypatch, kernel) -> No
 # order, the same bound), and with `act` to the same GEMV followed by act_and_mul. Each FMA row
 # count; the producer's rows (the next GEMV's K) of 1, 4 and 4 slices; K of the producer with a
 # tail step (4,192) and of down's 448 blocks.
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, "ksx"])
 @pytest.mark.parametrize("n,k,m", [(32 * 4 * 4, 4192, 1002), (640, 14336, 264), (4096, 4096, 6151)])
-def test_handoff_is_the_norm_split_across_two_gemvs(ready, monkeypatch, rows: int, n: int, k: int,
+def test_handoff_is_the_norm_split_across_two_gemvs(ready, monkeypatch, rows, n: int, k: int,
                                                      m: int) -> None:
     from flatserve.ops.triton_ops import act_and_mul
 
-    monkeypatch.setattr(cuda_gemv, "FMA_ROWS", rows)
+    ksx = isinstance(rows, str)
+    if ksx and torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("q4_ksx needs thread block clusters (sm_90)")
+    monkeypatch.setattr(cuda_gemv, "KSX", ksx)
+    monkeypatch.setattr(cuda_gemv, "FMA_ROWS", None if ksx else rows)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     p, _ = _weights(n, k, g)
     q, wq = _weights(m, n, g)
@@ -234,8 +260,8 @@ def test_handoff_is_the_norm_split_across_two_gemvs(ready, monkeypatch, rows: in
     plain = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     assert cuda_gemv.gemv(x, codes, scales, plain, n, nblk, res=res)
     h, hw = torch.full_like(plain, float("nan")), torch.full_like(plain, float("nan"))
-    part = torch.full((cuda_gemv.handoff_parts(n, DEV),), float("nan"), device=DEV)
-    assert part.numel() == n // (4 * rows)
+    part = torch.full((cuda_gemv.handoff_parts(n, DEV, nblk),), float("nan"), device=DEV)
+    assert part.numel() == n // (8 if ksx else 4 * rows)
     assert cuda_gemv.gemv(x, codes, scales, h, n, nblk, res=res, norm_out=(nw, hw, part))
     assert torch.equal(h, plain)
     assert torch.equal(hw, (h.float() * nw.float()).bfloat16())
@@ -255,17 +281,25 @@ def test_handoff_is_the_norm_split_across_two_gemvs(ready, monkeypatch, rows: in
         assert (a.float() == ref).float().mean() > 0.9
 
 
-def test_handoff_parts_need_whole_ctas() -> None:
-    """o's and down's rows split evenly into the FMA kernel's CTAs, else no hand-off."""
+def test_handoff_parts_need_whole_ctas(monkeypatch) -> None:
+    """o's and down's rows split evenly into q4_ksx's row groups (8 rows, sm_90) or the FMA
+    kernel's CTAs, else no hand-off; none where o and down would take different kernels."""
+    ksx = torch.cuda.get_device_capability(DEV)[0] >= 9
     for n in (64, 640, 4096, 5120):
-        assert cuda_gemv.handoff_parts(n, DEV) * 4 * cuda_gemv.fma_rows(n, DEV) == n
-    assert cuda_gemv.handoff_parts(4100, DEV) == 0
+        if ksx:
+            assert cuda_gemv.handoff_parts(n, DEV, 128, 448) * cuda_gemv.KS_ROWS == n
+        monkeypatch.setattr(cuda_gemv, "KSX", False)
+        assert cuda_gemv.handoff_parts(n, DEV, 128, 448) * 4 * cuda_gemv.fma_rows(n, DEV) == n
+        monkeypatch.setattr(cuda_gemv, "KSX", True)
+    assert cuda_gemv.handoff_parts(4100, DEV, 128) == 0
+    if ksx:  # o by q4_ksx, down (1,025 blocks) by the FMA kernel
+        assert cuda_gemv.handoff_parts(4096, DEV, 128, 1025) == 0
 
 
 def test_ks_takes_large_weights_of_k_up_to_4096(ready) -> None:
     """From 40 x the SMs rows (where the tensor-core kernel ran before) and K <= 4,096 only."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    assert cuda_gemv.choose(40 * sms, 128, DEV)[0] == ("ks", 8)
+    assert cuda_gemv.choose(40 * sms, 128, DEV)[0] == ("ks", cuda_gemv.KS_ROWS)
     assert cuda_gemv.choose(40 * sms - 1, 128, DEV)[0][0] != "ks"
     assert cuda_gemv.choose(40 * sms, 129, DEV)[0][0] != "ks"
 
@@ -293,6 +327,7 @@ def test_both_load_group_sizes_give_the_same_bits(ready, monkeypatch) -> None:
     arithmetic or its order: 2 and 4 steps a group, and the one-wave rule's own pick, give the
     same bits."""
     monkeypatch.setattr(cuda_gemv, "KS", False)
+    monkeypatch.setattr(cuda_gemv, "KSX", False)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     for n, k in ((6151, 4096), (5600, 1536), (5400, 14336)):
         p, _ = _weights(n, k, g)
@@ -397,7 +432,7 @@ def test_gemv_on_a_second_gpu_uses_that_devices_kernels(ready) -> None:
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     with torch.cuda.device(dev1):
         assert cuda_gemv.prepare(dev1) and 1 in cuda_gemv._API.funcs
-        for n, k in ((1000, 4096), (6151, 4096), (1000, 14336)):  # FMA, q4_ks, FMA
+        for n, k in ((1000, 4096), (6151, 4096), (1000, 14336)):  # q4_ksx (FMA below sm_90), q4_ks, q4_ksx
             raw = random_blocks(FMT, n, k, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
             p, w = quant_planar.repack(raw.to(dev1), FMT), dequantize(raw, FMT, k).double()
             x = torch.randn(1, k, generator=g).bfloat16().to(dev1)

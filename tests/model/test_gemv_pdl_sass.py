@@ -21,7 +21,7 @@ from flatserve.model import cuda_gemv
 KERNELS = ["q4_gemv_r1_u2", "q4_gemv_r2_u2", "q4_gemv_r4_u2", "q4_mma_rp2_u2", "q4_mma_rp2_u4", "q4_ks_rt8",
            "q4_ks_norm_rt8", "q4_ks_norm_silu_rt8", "q4_ks_norm_gelu_rt8", "q4_gemv_r1_u2_nout",
            "q4_gemv_r2_u2_nout", "q4_gemv_r4_u2_nout", "q4_ks_scaled_rt8", "q4_ks_scaled_silu_rt8",
-           "q4_ks_scaled_gelu_rt8"]
+           "q4_ks_scaled_gelu_rt8", "q4_ksx_rt8", "q4_ksx_nout_rt8"]
 KERNELS += [k + "_h2" for k in KERNELS if not k.startswith("q4_mma")]  # the packed-fp16 forms
 
 

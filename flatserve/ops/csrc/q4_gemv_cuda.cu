@@ -568,6 +568,28 @@ __device__ __forceinline__ float norm_in(U4 (&xv)[4], const U4 (&wv)[4]) {
   return ss;
 }
 
+// A lane's block of x against its RT rows' blocks, then the lanes' sums per row (row_sums: row
+// r's sum lands in lane r * 32 / RT of each warp).
+template <int RT, bool H2>
+__device__ __forceinline__ float ks_sums(const U4 (&xv)[4], const U4 (&c)[RT], const u16 (&sc)[RT],
+                                         u32 m0, u32 m1, int lane) {
+  float acc[RT];
+  if (H2) {
+    u32 xh[16];
+    const float k = x_pairs(xv, xh);
+    const u32 hm = m0 ^ 0x2F006400u;  // fp16 (1024, 1024) in a register: LOP3 takes one immediate
+#pragma unroll
+    for (int r = 0; r < RT; ++r) acc[r] = step_h2(xh, c[r], sc[r], hm, k);
+  } else {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      acc[r] = 0.f;
+      step<1>(xv, &c[r], &sc[r], &acc[r], m0, m1);
+    }
+  }
+  return row_sums<RT>(acc, lane);
+}
+
 // NORM (cuda_stack.py's one-token decoder step): x is the residual stream h, and the kernel is the
 // RMSNorm before the linear too: out = rsqrt(mean(h^2) + eps) * (W (h * nw)). Each CTA covers all
 // of K (nblk <= 32 x its warps), so its lanes' sums of h^2 meet in the shared-memory sum it already
@@ -632,21 +654,7 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) ssq[warp] = ss;
   }
-  float acc[RT];
-  if (H2) {
-    u32 xh[16];
-    const float k = x_pairs(xv, xh);
-    const u32 hm = m0 ^ 0x2F006400u;  // fp16 (1024, 1024) in a register: LOP3 takes one immediate
-#pragma unroll
-    for (int r = 0; r < RT; ++r) acc[r] = step_h2(xh, c[r], sc[r], hm, k);
-  } else {
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      acc[r] = 0.f;
-      step<1>(xv, &c[r], &sc[r], &acc[r], m0, m1);
-    }
-  }
-  const float v = row_sums<RT>(acc, lane);
+  const float v = ks_sums<RT, H2>(xv, c, sc, m0, m1, lane);
   if ((lane & (32 / RT - 1)) == 0) red[warp][lane / (32 / RT)] = v;
   __syncthreads();
   const int t = threadIdx.x;
@@ -661,6 +669,132 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
     out[row0 + t] = out_value(sum * scale, res, row0 + t);
   }
 }
+
+// Thread block clusters (sm_90): this CTA's rank and the cluster's size, the cluster barrier
+// (arrive and wait: release / acquire by default; the first arrive relaxed), and a store into
+// rank 0's shared memory. Below sm_90 a CTA is a cluster of one: the barrier is the CTA's.
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r = 0;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ u32 cluster_size() {
+  u32 n = 1;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_sync_parts() {  // the arrive (release) and wait (acquire)
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void st_rank0(float* p, float v) {  // p: this CTA's copy of the variable
+#if __CUDA_ARCH__ >= 900
+  u32 a;
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(a));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(a), "f"(v) : "memory");
+#else
+  *p = v;
+#endif
+}
+
+// ksx: q4_ks split along K over a cluster of S CTAs (S = ceil(nblk / 128) <= 8, the cluster launch
+// attribute; cuda_gemv.choose), for the linears q4_ks cannot cover: K > 4,096 (Llama-3-8B's
+// down, 448 blocks: S = 4) and the residual GEMVs that hand the norm on (o, down: NOUT). CTA rank
+// s takes blocks 128 s .. 128 s + 127 of RT rows, as q4_ks takes all of them; the ranks' warp
+// sums meet in rank 0's shared memory (st.shared::cluster, one cluster barrier), which adds them
+// in rank order, then stores as gemv() does: out_value (res), and with NOUT hw = bf16(h * nw)
+// and part[CTA group] = the sum of h^2 over its RT rows (q4_ks MODE 2's input, n / RT of them).
+// Each CTA loads its weights before the PDL wait as q4_ks does. The first cluster arrive is made
+// there too: no CTA stores into rank 0 before every CTA of the cluster has started.
+// On an H200 (one call each, raw docs/benchmarks/raw/gpu_h200_q4_0_ksx/): the b1 Llama-3-8B q4_0
+// forward 1.77 against 1.84 ms with the FMA kernel for o and down (step_breakdown.py), though
+// alone, back to back in a CUDA graph, down takes 14.5 against 13.5 us and o 5.4 against 5.2 with
+// the hand-off (gemv_kernels.py --fused): in the forward its weights are in flight before the
+// kernel ahead ends, as q4_ks's are. 16 rows a CTA (q4_ks and q4_ksx) made the forward 2.05
+// against 1.85 ms at 8.
+template <int RT, bool NOUT, bool H2>
+__device__ __forceinline__ void ksx_gemv(const u16* __restrict__ x, const U4* __restrict__ codes,
+                                         const u16* __restrict__ scales, u16* __restrict__ out, int N,
+                                         int nblk, int magic, int pdl, const u16* res,
+                                         const u16* __restrict__ nw, u16* __restrict__ hw,
+                                         float* __restrict__ part) {
+  __shared__ float red[8][4][RT];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const u32 S = cluster_size(), s = cluster_rank();
+  const int row0 = (int)(blockIdx.x / S) * RT, kb = (int)s * 128 + warp * 32 + lane;
+  const bool in = kb < nblk;  // blocks past nblk: x 0, the row's last block
+  const int bk = in ? kb : nblk - 1;
+  const u32 m0 = (u32)magic, m1 = (u32)magic - 0x2000000u;
+  U4 c[RT];
+  u16 sc[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {  // rows past the end read the last one
+    const size_t off = (size_t)min(row0 + r, N - 1) * nblk + bk;
+    c[r] = ldg128(codes + off);
+    sc[r] = ldg16(scales + off);
+  }
+  u32 h = 0;  // as q4_ks: a never-taken store that needs every weight word ends the loads' block
+#pragma unroll
+  for (int r = 0; r < RT; ++r) h ^= c[r].x ^ c[r].y ^ c[r].z ^ c[r].w ^ sc[r];
+  if (threadIdx.x == 1024) red[0][0][0] = __uint_as_float(h);
+  cluster_arrive_relaxed();
+  if (pdl) pdl_sync();
+  U4 xv[4] = {};
+  if (in) {
+    const U4* q = reinterpret_cast<const U4*>(x) + (size_t)kb * 4;
+    xv[0] = ldx128(q), xv[1] = ldx128(q + 1), xv[2] = ldx128(q + 2), xv[3] = ldx128(q + 3);
+  }
+  const float v = ks_sums<RT, H2>(xv, c, sc, m0, m1, lane);
+  cluster_wait();  // every CTA of the cluster has started: rank 0's shared memory is there
+  if ((lane & (32 / RT - 1)) == 0) st_rank0(&red[s][warp][lane / (32 / RT)], v);
+  cluster_sync_parts();
+  const int t = threadIdx.x;
+  if (s != 0 || t >= 32) return;
+  float sum = 0.f, f = 0.f;
+  for (u32 j = 0; j < S; ++j)  // the ranks in order, each one's warps in order
+    if (t < RT) sum += ((red[j][0][t] + red[j][1][t]) + red[j][2][t]) + red[j][3][t];
+  if (t < RT && row0 + t < N) {
+    const u16 o = out_value(sum, res, row0 + t);
+    out[row0 + t] = o;
+    if (NOUT) {
+      f = bf2f(o);
+      hw[row0 + t] = f2bf(f * bf2f(ldg16(nw + row0 + t)));
+    }
+  }
+  if (!NOUT) return;
+  float ss = f * f;  // every row is < N here (N % RT == 0)
+#pragma unroll
+  for (int o = RT / 2; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (t == 0) part[blockIdx.x / S] = ss;
+}
+#define KSX_KERNEL(NAME, RT, NOUT)                                                                  \
+  extern "C" __global__ void __launch_bounds__(128) NAME(GEMV_ARGS) {                              \
+    ksx_gemv<RT, NOUT, false>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, hw, part);     \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(128) NAME##_h2(GEMV_ARGS) {                         \
+    ksx_gemv<RT, NOUT, true>(x, codes, scales, out, N, nblk, magic, pdl, res, nw, hw, part);      \
+  }
+KSX_KERNEL(q4_ksx_rt8, 8, false)
+KSX_KERNEL(q4_ksx_nout_rt8, 8, true)
 
 #define KS_KERNEL(NAME, RT, MODE, GLU)                                                              \
   extern "C" __global__ void __launch_bounds__(128) NAME(GEMV_ARGS) {                              \
