@@ -239,14 +239,15 @@ def fma_rows(n: int, device: torch.device) -> int:
 
 def choose(n: int, nblk: int, device: torch.device) -> tuple[tuple[int | str, int], int, int]:
     """The kernel for an n x (32 nblk) weight on `device` (prepared): its key in _Api.funcs, the
-    grid (CTAs of 4 warps) and the dynamic shared bytes. q4_ks (KS_ROWS rows a CTA) where the tensor-
-    core kernel's rows meet K <= 4,096: on an H200 q|k|v 6.5 against 6.8, gate|up 21.6 / 23.7,
-    the LM head 85.5 / 94.0 us a call; at o's 4,096 rows 5.0 against the FMA kernel's 4.8, so
-    smaller weights keep the FMA kernel (docs/performance-gpu.md)."""
+    grid (CTAs of 4 warps) and the dynamic shared bytes. q4_ks (KS_ROWS rows a CTA) where the
+    tensor-core kernel's rows meet K <= 4,096: on an H200 q|k|v 6.5 against 6.8, gate|up 21.6 /
+    23.7, the LM head 85.5 / 94.0 us a call (fp32 products). Fewer rows, K <= 32,768, sm_90:
+    q4_ksx (K split over a cluster; o and down of Llama-3-8B: the b1 forward 1.77 against 1.84 ms
+    with the FMA kernel, which takes the rest; docs/performance-gpu.md)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if KS and nblk <= 128 and (KS_ALL or rows_per_warp(n, device) == 4):
         return ("ks", KS_ROWS), -(-n // KS_ROWS), 0
-    if ksx(nblk, device):
+    if ksx(nblk, device) and rows_per_warp(n, device) != 4:  # the mma kernel's keep it (not measured)
         return ("ksx", KS_ROWS), -(-n // KS_ROWS) * -(-nblk // 128), 0
     smem = 68 * (-(-nblk // 8) * 8)  # q4_mma_rp2's x table
     if not (rows_per_warp(n, device) == 4 and MMA and smem <= _MMA_SMEM_MAX):
