@@ -29,6 +29,7 @@ from flatserve.device import programmatic_launch
 
 log = logging.getLogger("flatserve")
 _SRC = Path(__file__).parents[1] / "ops" / "csrc" / "q4_gemv_cuda.cu"
+_INCLUDED = [_SRC.parent / "q4_ks_cuda.cuh"]  # what _SRC includes (NVRTC reads it from _SRC's folder)
 _MAGIC = 0x4B000000  # the bits of 2^23 (the kernel's nibble-to-float trick)
 ENABLED = True  # False: qgemm keeps the Triton GEMV (the benchmark's A/B)
 # The tensor-core kernel for the 4-rows-a-warp shapes ("0": the FMA kernel there, the A/B).
@@ -95,7 +96,8 @@ class _Api:
 
         major, minor = ctypes.c_int(), ctypes.c_int()
         self.nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-        key = hashlib.sha256(_SRC.read_bytes() + f"{arch} nvrtc {major.value}.{minor.value}".encode())
+        src = b"".join(f.read_bytes() for f in [_SRC, *_INCLUDED])
+        key = hashlib.sha256(src + f"{arch} nvrtc {major.value}.{minor.value}".encode())
         path = cache_root() / f"q4_gemv_cuda-{key.hexdigest()[:16]}.cubin"
         try:
             return path.read_bytes()
@@ -119,7 +121,8 @@ class _Api:
         if self.nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"q4_gemv_cuda.cu", 0, None, None):
             raise RuntimeError("nvrtcCreateProgram failed")
         try:
-            opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+            opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17",
+                    f"--include-path={_SRC.parent}".encode()]
             rc = self.nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
             if rc:
                 size = ctypes.c_size_t()
