@@ -8,6 +8,8 @@ its GEMVs (`ops/csrc/q4_gemv_cuda.cu`): a layer is
     a = act(gate) * up, gate|up = W rmsnorm(h1)   q4_ks_scaled_silu: norm in, activation out
     h2 = h1 + W_down a                  q4_ksx (K split over a cluster): the add and the hand-off
 
+(q4_ksx on sm_90; the FMA kernel below it, and with FLATSERVE_GEMV_KSX=0.)
+
 (layer 0's q|k|v normalizes the embedding itself: q4_ks_norm.) 7 launches (8 with the split-KV
 merge) where the Python layers make 10: the two fused add + RMSNorm kernels and act_and_mul are
 gone. Why: at one token each small kernel is a few microseconds of latency that no weight bytes
