@@ -132,7 +132,7 @@ def test_ksx_matches_float64_reference(ready, monkeypatch, n: int, k: int, h2: s
 
 @pytest.mark.parametrize("kind", ["ks", "fma", "ksx"])
 def test_fp16_products_keep_huge_and_tiny_activations(ready, monkeypatch, kind: str) -> None:
-    """The packed-fp16 products (q4_ks and the FMA kernel) on a residual stream fp16 cannot hold
+    """The packed-fp16 products (q4_ks, q4_ksx, the FMA kernel) on a residual stream fp16 cannot hold
     (|x| up to 2^20: each block's x is scaled by a power of two first) and on blocks of values
     near bf16's smallest normal, next to ordinary blocks: finite, and within _check's bound."""
     monkeypatch.setattr(cuda_gemv, "KS", kind == "ks")
