@@ -213,3 +213,22 @@ def amx_kernel(amx_isa: str) -> None:
 
     require_kernel(amx._ext)
     assert amx.available(torch.bfloat16), "AMX kernel built but not available (OS tile grant, oneDNN)"
+
+
+def teacher_forced_hidden(llm: Any, ids: list[int]) -> Any:
+    """The final hidden states [T, H] of every position of `ids` fed as one prompt (teacher
+    forcing: the logits of position i predict ids[i + 1])."""
+    import torch
+
+    from flatserve import SamplingParams
+    from flatserve.engine.request import Request
+    from flatserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from flatserve.runner import build_flat_batch
+
+    eng, bs = llm.engine, llm.config.block_size
+    out = SchedulerOutput()
+    out.scheduled.append(ScheduledRequest(Request("f", ids, SamplingParams(), 1), 0, len(ids),
+                                          list(range(1, -(-len(ids) // bs) + 1))))
+    batch = build_flat_batch(out, bs, eng.state.device)
+    batch.logits_index = torch.arange(len(ids), device=eng.state.device)
+    return eng.runner.forward_hidden(batch)

@@ -15,12 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flatserve import LLM, SamplingParams
-from flatserve.engine.request import Request
-from flatserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from flatserve import LLM
 from flatserve.model import quant
 from flatserve.model.qformats import FORMATS
-from flatserve.runner import build_flat_batch
+from tests.conftest import teacher_forced_hidden
 
 TOKENS = 2048
 pytestmark = pytest.mark.skipif(quant.kernel() is None, reason="the C++ quant kernel did not build here")
@@ -43,18 +41,12 @@ def _path(model: torch.nn.Module, kernel: bool) -> Iterator[None]:
 
 
 def _logits_pair(llm: LLM, ids: list[int], chunk: int = 64) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    eng, bs = llm.engine, llm.config.block_size
-    out = SchedulerOutput()
-    out.scheduled.append(ScheduledRequest(Request("f", ids, SamplingParams(), 1), 0, len(ids),
-                                          list(range(1, -(-len(ids) // bs) + 1))))
-    batch = build_flat_batch(out, bs, eng.state.device)
-    batch.logits_index = torch.arange(len(ids))
-    model = eng.runner.model
+    model = llm.engine.runner.model
     hidden = {}
     for kernel in (True, False):
         with _path(model, kernel):
-            hidden[kernel] = eng.runner.forward_hidden(batch)  # [T, H]
-    for i in range(0, len(ids), chunk):
+            hidden[kernel] = teacher_forced_hidden(llm, ids)  # [T, H]
+    for i in range(0, len(ids), chunk):  # the logits a chunk at a time (a 262k vocabulary)
         with torch.inference_mode():
             with _path(model, True):
                 q = model.compute_logits(hidden[True][i:i + chunk])
