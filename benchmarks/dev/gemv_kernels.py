@@ -56,7 +56,9 @@ def main() -> None:
             codes, scales, nblk = zip(*[qp._views(p, fmt) for p in ps])
             w, r = torch.ones(k, dtype=torch.bfloat16, device=dev), torch.randn_like(out)
             nw, hw = torch.ones(n, dtype=torch.bfloat16, device=dev), torch.empty_like(out)
-            given = torch.ones(cuda_gemv.handoff_parts(k, dev), device=dev)  # prenormed's: o's or down's
+            # prenormed's partials: as o's and down's hand-offs write them (the stack's one count)
+            given = torch.ones(cuda_gemv.handoff_parts(k, dev, SHAPES["o"][1] // 32, SHAPES["down"][1] // 32),
+                               device=dev)
             pre = {"prenormed": (given, 1e-5)}
             forms = {"qkv": [{"norm": (w, 1e-5)}, pre], "head": [{"norm": (w, 1e-5)}],
                      "o": [{"res": r}, {"res": r, "norm_out": None}],

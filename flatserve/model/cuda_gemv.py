@@ -251,7 +251,7 @@ def choose(n: int, nblk: int, device: torch.device) -> tuple[tuple[int | str, in
     if KS and nblk <= 128 and (KS_ALL or rows_per_warp(n, device) == 4):
         return ("ks", KS_ROWS), -(-n // KS_ROWS), 0
     if ksx(nblk, device) and rows_per_warp(n, device) != 4:  # the mma kernel's keep it (not measured)
-        return ("ksx", KS_ROWS), -(-n // KS_ROWS) * -(-nblk // 128), 0
+        return ("ksx", KS_ROWS), -(-n // KS_ROWS) * ksx_cluster(nblk), 0
     smem = 68 * (-(-nblk // 8) * 8)  # q4_mma_rp2's x table
     if not (rows_per_warp(n, device) == 4 and MMA and smem <= _MMA_SMEM_MAX):
         r = fma_rows(n, device)
@@ -286,17 +286,22 @@ def ksx(nblk: int, device: torch.device) -> bool:
     return KSX and nblk <= _KSX_MAX_NBLK and _major(index) >= 9
 
 
+def ksx_cluster(nblk: int) -> int:
+    """q4_ksx's CTAs a cluster for nblk blocks a row: 128 blocks a CTA."""
+    return -(-nblk // 128)
+
+
 @functools.lru_cache(maxsize=None)
 def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def handoff_parts(n: int, device: torch.device, *nblks: int) -> int:
-    """The partial sums a `norm_out` GEMV of n rows and each of nblks blocks a row writes (one a
-    CTA group of q4_ksx, KS_ROWS rows, where it takes them all; else one a CTA of the FMA kernel), or 0
-    where n does not split evenly into those or the GEMVs would take different kernels (then
-    cuda_stack keeps the norm forms)."""
-    takes = {ksx(b, device) for b in nblks or (0,)}
+def handoff_parts(n: int, device: torch.device, nblk: int, *nblks: int) -> int:
+    """The partial sums a `norm_out` GEMV of n rows and each of (nblk, *nblks) blocks a row
+    writes (one a CTA group of q4_ksx, KS_ROWS rows, where it takes them all; else one a CTA of
+    the FMA kernel), or 0 where n does not split evenly into those or the GEMVs would take
+    different kernels (then cuda_stack keeps the norm forms)."""
+    takes = {ksx(b, device) for b in (nblk, *nblks)}
     if len(takes) > 1:
         return 0
     rows = KS_ROWS if takes.pop() else 4 * fma_rows(n, device)
@@ -339,7 +344,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
         kx = ksx(nblk, x.device)
         r = KS_ROWS if kx else 4 * fma_rows(n, x.device)  # rows a partial sum (CTA group)
         assert n % r == 0 and norm_out[2].numel() == n // r, (n, r, norm_out[2].shape)
-        key, grid = (("ksx_nout", r), n // r * -(-nblk // 128)) if kx else ((r // 4, "nout"), n // r)
+        key, grid = (("ksx_nout", r), n // r * ksx_cluster(nblk)) if kx else ((r // 4, "nout"), n // r)
         smem = 0
     else:
         assert act is None
@@ -360,7 +365,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: torch.
         attrs[0].id, attrs[0].value[0], nattr = _PDL_ATTR, 1, 1
     if str(key[0]).startswith("ksx"):  # a cluster of the CTAs that split a row group's K
         attrs[nattr].id, attrs[nattr].value[0], attrs[nattr].value[1], attrs[nattr].value[2] = \
-            _CLUSTER_ATTR, -(-nblk // 128), 1, 1
+            _CLUSTER_ATTR, ksx_cluster(nblk), 1, 1
         nattr += 1
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(128, 1, 1),
                         smem=smem, stream=stream, attrs=ctypes.cast(attrs, ctypes.POINTER(_LaunchAttr)),
