@@ -1,6 +1,6 @@
 """One-off: the fused q4_0 GEMM with x's tiles brought in by TMA (a host tensor descriptor), so
 Triton's pipeliner keeps STAGES of them in flight (with plain pointer loads it issues x's load
-synchronously each step, TTGIR of quant_planar._gemm_kernel for sm_90), the scales one step
+synchronously each step: Triton 3.9's TTGIR of quant_planar._gemm_kernel for sm_90), the scales one step
 ahead in registers; both operand orders: W as the dot's left operand (registers) or x as the left
 (shared memory, W dequantized into shared memory as the right). Against bf16 cuBLAS, the
 whole-weight dequantize + cuBLAS and _gemm_kernel's own tiles, at 256 and 512 rows (the offline
