@@ -232,3 +232,24 @@ def teacher_forced_hidden(llm: Any, ids: list[int]) -> Any:
     batch = build_flat_batch(out, bs, eng.state.device)
     batch.logits_index = torch.arange(len(ids), device=eng.state.device)
     return eng.runner.forward_hidden(batch)
+
+
+def random_llama(root: Path, name: str, bf16_exact: bool = False, **sizes: Any) -> Path:
+    """A random-weight tied-embedding Llama (seed 0) saved under root / name with the test
+    tokenizer; `sizes` are LlamaConfig fields. bf16_exact: every weight rounded to bf16 first, so
+    bf16 and fp32 engines on it quantize the same values."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      tie_word_embeddings=True, architectures=["LlamaForCausalLM"], **sizes)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if bf16_exact:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+    path = root / name
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path

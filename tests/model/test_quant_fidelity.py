@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from flatserve import LLM
 from flatserve.model import quant
 from flatserve.model.qformats import FORMATS
-from tests.conftest import teacher_forced_hidden
+from tests.conftest import random_llama, teacher_forced_hidden
 
 TOKENS = 2048
 pytestmark = pytest.mark.skipif(quant.kernel() is None, reason="the C++ quant kernel did not build here")
@@ -87,20 +87,9 @@ def test_default_gguf_q4_k_m_fidelity_on_real_text(default_model_path: Path) -> 
 
 def _ckpt(root: Path) -> Path:
     """A random-weight Llama whose every linear has K % 256 == 0 (the K formats' super-blocks)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from tests.conftest import _tokenizer
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                      initializer_range=0.1, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    path = root / "llama256"
-    model.save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    return path
+    return random_llama(root, "llama256", vocab_size=512, hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                        initializer_range=0.1)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 from flatserve import LLM  # noqa: E402
 from flatserve.model import cuda_gemv, quant  # noqa: E402
 from flatserve.model.qformats import FORMATS  # noqa: E402
-from tests.conftest import teacher_forced_hidden  # noqa: E402
+from tests.conftest import random_llama, teacher_forced_hidden  # noqa: E402
 
 TOKENS = 2048
 
@@ -42,23 +42,9 @@ def _ckpt(root: Path) -> Path:
     sized so that one-row q4_0 calls meet every GEMV: gate|up (11,264 rows) and the tied LM head
     (8,192) take q4_ks on an H100 / H200 (>= 40 x 132 rows), q|k|v, o and down q4_ksx (down over a
     cluster of 2: K = 5,632)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from tests.conftest import _tokenizer
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=5632, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                      max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                      initializer_range=0.05, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    path = root / "llama1024"
-    model.save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    return path
+    return random_llama(root, "llama1024", bf16_exact=True, vocab_size=8192, hidden_size=1024,
+                        intermediate_size=5632, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=128, initializer_range=0.05)
 
 
 def _llm(path: Path, dtype: str) -> LLM:
