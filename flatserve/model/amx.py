@@ -64,6 +64,8 @@ class AMXLinear(nn.Module):
     2-4 KB apart (K = 1,024 / 2,048: L1 set conflicts), and packing them costs no memory.
     """
 
+    cpu_packed = True  # quant.quantize_model refuses a model holding these (quantize first)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plain: bool = False) -> None:
         super().__init__()
         assert fits(weight), weight.shape

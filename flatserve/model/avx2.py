@@ -55,6 +55,8 @@ class AVX2Linear(nn.Module):
     """y = x @ W.T + b with W held packed, [N/16, K, 16] bf16; or, with `plain`, W read as stored
     ([N, K], no copy: a tied LM head reads the embedding table)."""
 
+    cpu_packed = True  # quant.quantize_model refuses a model holding these (quantize first)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plain: bool = False) -> None:
         super().__init__()
         assert fits(weight), (weight.shape, weight.dtype)

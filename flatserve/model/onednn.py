@@ -34,6 +34,8 @@ def available(dtype: torch.dtype) -> bool:
 class OneDNNLinear(nn.Module):
     """y = x @ W.T + b with W held in oneDNN's blocked layout (opaque: no row access)."""
 
+    cpu_packed = True  # quant.quantize_model refuses a model holding these (quantize first)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape

@@ -406,6 +406,10 @@ def quantize_model(model: nn.Module, name: str) -> None:
     `around`: flatserve/distributed/parallel.py) keeps its collective around the QuantLinear of
     its shard, its bias added after it."""
     fmt = FORMATS["q8_0" if name == "int8" else name]
+    packed = sorted({type(m).__name__ for m in model.modules() if getattr(m, "cpu_packed", False)})
+    if packed:  # their weights are out of reach (an opaque or tiled copy): they would stay dense
+        raise ValueError(f"quantize_model: the model's linears are packed for the CPU GEMM "
+                         f"({', '.join(packed)}); quantize before packing, as --quantization does at load")
     emb = model.model.embed_tokens
     tied = getattr(model.lm_head, "weight", None) is getattr(emb, "weight", 0)
     dtype = emb.weight.dtype

@@ -193,6 +193,25 @@ def test_quantize_model_ties_head_and_embedding() -> None:
     assert quant.describe(quant.summary(m)) == "q8_0 x 2 (0.0 MiB)"
 
 
+def test_quantize_model_refuses_linears_packed_for_the_cpu_gemm(tmp_path) -> None:
+    """A bf16 CPU engine packs its linears (AMX tiles, oneDNN's layout, AVX2 panels) after load;
+    quantizing it afterwards would leave those dense, so it is refused (--quantization runs
+    before the packing)."""
+    from flatserve import LLM
+    from tests.conftest import build_checkpoint
+
+    path, _ = build_checkpoint("llama", tmp_path)
+    with LLM(device="cpu", model=str(path), dtype="bfloat16", max_model_len=64) as llm:
+        model = llm.engine.runner.model
+        if not any(getattr(m, "cpu_packed", False) for m in model.modules()):
+            pytest.skip(f"no linear packed at this ISA level (cpu_gemm {llm.engine.state.cpu_gemm})")
+        with pytest.raises(ValueError, match="packed for the CPU GEMM"):
+            quant.quantize_model(model, "q4_0")
+    with LLM(device="cpu", model=str(path), dtype="bfloat16", max_model_len=64, quantization="q4_0") as llm:
+        model = llm.engine.runner.model
+        assert set(quant.summary(model)) == {"q4_0"} and isinstance(model.lm_head, quant.QuantLinear)
+
+
 def test_unknown_quantization_is_refused() -> None:
     from flatserve.config import EngineConfig
 
