@@ -6,15 +6,15 @@ nats/token, and top-1 agreement within 1 point of what bf16 itself keeps.
 
 Why the top-1 bar is relative: a random model's next-token distributions are nearly flat (top-1
 probability ~2% here), so bf16 activations alone move the argmax: the same engine on the torch
-reference in bf16 (dequantized weights, torch's matmul) agrees with the fp32 run on ~94.5% of
-the tokens (2-core Zen 4, 2026-11-29, KL 0.0007). The kernels must lose no more than 1 point
-more than that (the issue's 99% asks for 1 point against fp32, met on the CPU's fp32 path).
+reference in bf16 (dequantized weights, torch's matmul) agrees with the fp32 run on 94.5-95.2% of
+the tokens (one H200, 2026-11-29, KL 0.0007-0.0008). The kernels may lose at most 1 point more
+than that (the issue's 99% allows 1 point against fp32, met on the CPU's fp32 path).
 
-Each linear takes the text's rows ROWS at a time, so one test covers one of the kernel paths a
+Each linear takes the text's rows `rows` at a time, so one test covers one of the kernel paths a
 serving step takes: 1 row is a decode step of one sequence (q4_0: the CUDA C++ GEMVs with their
 fp16 products, q4_ks for the >= 40 x SMs-row weights, q4_ksx or the FMA kernel below; the other
-formats: the Triton GEMV), 64 rows a decode batch (q4_0 / q8_0: the fused GEMM), 2,048 a prompt
-(dequantize + cuBLAS). Needs CUDA."""
+formats, and q4_0 where the C++ GEMV did not build: the Triton GEMV), 64 rows a decode batch
+(q4_0 / q8_0: the fused GEMM), 2,048 a prompt (dequantize + cuBLAS). Needs CUDA."""
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from flatserve import LLM  # noqa: E402
-from flatserve.model import cuda_gemv, quant  # noqa: E402
+from flatserve.model import quant  # noqa: E402
 from flatserve.model.qformats import FORMATS  # noqa: E402
 from tests.conftest import random_llama, teacher_forced_hidden  # noqa: E402
 
@@ -132,8 +132,6 @@ def _against(q: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
 
 @pytest.mark.parametrize("name,rows", CASES)
 def test_cuda_kernels_fidelity_per_format(name: str, rows: int, ckpt: Path) -> None:
-    if name == "q4_0" and rows == 1 and not cuda_gemv.prepare(torch.device("cuda")):
-        pytest.skip(f"the CUDA C++ GEMV did not build here: {cuda_gemv._FAILED}")
     cand, ref = _quantized(ckpt, name)
     g = torch.Generator().manual_seed(FORMATS[name].ggml_type)
     ids = torch.randint(4, 8192, (TOKENS,), generator=g).tolist()
