@@ -124,6 +124,15 @@ def sweep(formats: list[str]) -> None:
             print(f"{f} {name:8s} M={m:4d} " + "  ".join(f"{p} {t:7.1f}" for p, t in ts.items()), flush=True)
 
 
+def copies(make, nbytes: int) -> list:
+    """make() (an nbytes tensor) called until the copies hold over 2x the GPU's L2, at least once:
+    calls cycling through them find no weight cached."""
+    import torch
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return [make() for _ in range(max(1, -(-2 * l2 // nbytes)))]
+
+
 def graph_us(fns: list, calls: int = 24, replays: int = 7) -> float:
     """Median device time of one call, in us: `calls` calls cycling through `fns` (each over its
     own copy of the weights, together over 2x the L2, so no call finds its weights cached)
@@ -171,9 +180,6 @@ def planar(tiles: bool, rows: list[int], kb: bool = False) -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{torch.cuda.get_device_name()}  copy rate {bw / 1e9:.0f} GB/s (read + written), "
           f"L2 {l2 >> 20} MiB", flush=True)
-
-    def copies(make, nbytes: int) -> list:
-        return [make() for _ in range(max(1, -(-2 * l2 // nbytes)))]
 
     for name, (n, k) in SHAPES.items() if kb else ():
         fmt = FORMATS["q4_0"]
@@ -303,10 +309,8 @@ def gemm_sweep(rows: list[int], jobs: int) -> None:
         bad = sum(pool.map(_gemm_job, [todo[i::jobs] for i in range(jobs)]))
     print(f"compiled {len(todo)} (shape, rows, tiles) in {time.time() - t0:.0f} s, {bad} failed", flush=True)
     for name, (n, k) in SHAPES.items():
-        nb = n * fmt.row_bytes(k)
-        ps = [qp.repack(random_blocks(n, k, fmt, "cuda"), fmt) for _ in range(max(1, -(-2 * l2 // nb)))]
-        denses = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
-                  for _ in range(max(1, -(-l2 // (n * k))))]  # 2 bytes a value: over 2x the L2
+        ps = copies(lambda: qp.repack(random_blocks(n, k, fmt, "cuda"), fmt), n * fmt.row_bytes(k))
+        denses = copies(lambda: torch.randn(n, k, dtype=torch.bfloat16, device="cuda"), 2 * n * k)
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")

@@ -18,7 +18,7 @@ def main() -> None:
     import torch
     import triton
 
-    from benchmarks.dev.quant_gemm_gpu import SHAPES, graph_us, random_blocks
+    from benchmarks.dev.quant_gemm_gpu import SHAPES, copies, graph_us, random_blocks
     from flatserve.model import quant_planar as qp
     from flatserve.model.qformats import FORMATS
 
@@ -34,13 +34,10 @@ def main() -> None:
     ws = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ws)
     fmt = FORMATS["q4_0"]
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(torch.cuda.get_device_name(), triton.__version__, flush=True)
     for name, (n, k) in SHAPES.items():
-        nb = n * fmt.row_bytes(k)
-        ps = [qp.repack(random_blocks(n, k, fmt, "cuda"), fmt) for _ in range(max(1, -(-2 * l2 // nb)))]
-        copies = max(1, -(-l2 // (n * k)))
-        dn = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+        ps = copies(lambda: qp.repack(random_blocks(n, k, fmt, "cuda"), fmt), n * fmt.row_bytes(k))
+        dn = copies(lambda: torch.randn(n, k, dtype=torch.bfloat16, device="cuda"), 2 * n * k)
         for m in (256, 512):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
