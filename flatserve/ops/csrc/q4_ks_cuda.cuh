@@ -165,19 +165,12 @@ __device__ __forceinline__ void ks_gemv(const u16* __restrict__ x, const U4* __r
 // Thread block clusters (sm_90): this CTA's rank and the cluster's size, the cluster barrier
 // (arrive and wait: release / acquire by default; the first arrive relaxed), and a store into
 // rank 0's shared memory. Below sm_90 a CTA is a cluster of one: the barrier is the CTA's.
-__device__ __forceinline__ u32 cluster_rank() {
-  u32 r = 0;
+__device__ __forceinline__ void cluster_place(u32& rank, u32& size) {
+  rank = 0, size = 1;
 #if __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
 #endif
-  return r;
-}
-__device__ __forceinline__ u32 cluster_size() {
-  u32 n = 1;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-  return n;
 }
 __device__ __forceinline__ void cluster_arrive_relaxed() {
 #if __CUDA_ARCH__ >= 900
@@ -231,7 +224,8 @@ __device__ __forceinline__ void ksx_gemv(const u16* __restrict__ x, const U4* __
                                          float* __restrict__ part) {
   __shared__ float red[8][4][RT];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const u32 S = cluster_size(), s = cluster_rank();
+  u32 s, S;  // this CTA's rank in its cluster, the cluster's CTAs
+  cluster_place(s, S);
   const int row0 = (int)(blockIdx.x / S) * RT, kb = (int)s * 128 + warp * 32 + lane;
   const bool in = kb < nblk;  // blocks past nblk: x 0, the row's last block
   const int bk = in ? kb : nblk - 1;
